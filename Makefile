@@ -1,0 +1,39 @@
+# etcd-snapcache. `make run` starts it in front of an embedded etcd;
+# `make test` runs every test (what CI runs); `make bench` measures it
+# beside etcd.
+
+GO        ?= go
+BIN       := bin/etcd-snapcache
+VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+LDFLAGS   := -X main.version=$(VERSION)
+# Extra flags for `make run`, e.g. RUN_FLAGS='--endpoints=127.0.0.1:2379'.
+RUN_FLAGS ?=
+# Test timeout; the suite takes a few minutes on 2 cores.
+TEST_TIMEOUT ?= 20m
+BENCH        ?= .
+BENCHTIME    ?= 2s
+
+.PHONY: all build run test vet bench clean
+
+all: build
+
+build:
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/etcd-snapcache
+
+run: build
+	./$(BIN) serve $(RUN_FLAGS)
+
+vet:
+	$(GO) vet ./...
+	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt needed"; exit 1; }
+
+# Every test, with the race detector, against real (embedded) etcd.
+test: vet
+	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./...
+
+# Benchmarks: the store alone, and the proxy beside direct etcd in one run.
+bench:
+	$(GO) test -run '^$$' -bench '$(BENCH)' -benchmem -benchtime $(BENCHTIME) -timeout 60m ./revtree/ ./integration/
+
+clean:
+	rm -rf bin .snapcache

@@ -1,0 +1,220 @@
+package kvproxy
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/coreos/go-semver/semver"
+	"go.uber.org/zap"
+	"google.golang.org/grpc/metadata"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+
+	"github.com/etcd-snapcache/etcd-snapcache/progress"
+	"github.com/etcd-snapcache/etcd-snapcache/revtree"
+)
+
+// DefaultRevisionWait bounds how long a Range at a revision the store has
+// not reached yet waits for it before going to etcd.
+const DefaultRevisionWait = time.Second
+
+// Config configures a Server.
+type Config struct {
+	Store    *revtree.Store
+	Follower *progress.Follower
+	// Upstream is etcd's KV service.
+	Upstream pb.KVClient
+	Logger   *zap.Logger
+	Metrics  *Metrics
+	// RevisionWait bounds the wait for a revision ahead of the store.
+	RevisionWait time.Duration
+}
+
+// Server implements etcdserverpb.KVServer.
+type Server struct {
+	pb.UnsafeKVServer
+
+	store    *revtree.Store
+	follower *progress.Follower
+	upstream pb.KVClient
+	lg       *zap.Logger
+	m        *Metrics
+	wait     time.Duration
+
+	optsMu      sync.Mutex
+	optsVersion string
+	opts        revtree.RangeOptions
+}
+
+// New returns a KV server.
+func New(cfg Config) *Server {
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	if cfg.RevisionWait <= 0 {
+		cfg.RevisionWait = DefaultRevisionWait
+	}
+	return &Server{
+		store:    cfg.Store,
+		follower: cfg.Follower,
+		upstream: cfg.Upstream,
+		lg:       cfg.Logger,
+		m:        cfg.Metrics,
+		wait:     cfg.RevisionWait,
+	}
+}
+
+// Range serves r from the store when it can, else from etcd.
+func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeResponse, error) {
+	if err := checkRangeRequest(r); err != nil {
+		return nil, err
+	}
+	view, reason, err := s.route(ctx, r)
+	switch {
+	case errors.Is(err, revtree.ErrCompacted):
+		s.m.observe(sourceRejected, "compacted")
+		return nil, rpctypes.ErrGRPCCompacted
+	case err != nil:
+		s.m.observe(sourceForwarded, reason)
+		return s.forwardRange(ctx, r)
+	}
+	s.m.observe(sourceCache, reason)
+	resp := view.Range(r, s.rangeOptions())
+	s.follower.FillHeader(resp.Header)
+	return resp, nil
+}
+
+// errForward marks a Range the store must not answer; the reason says why.
+var errForward = errors.New("forward to etcd")
+
+// route picks the snapshot that answers r, or says why etcd must.
+func (s *Server) route(ctx context.Context, r *pb.RangeRequest) (revtree.View, string, error) {
+	switch {
+	case hasAuthToken(ctx):
+		// The store cannot check the caller's permissions; etcd can.
+		return revtree.View{}, "auth", errForward
+	case !s.follower.IsReady():
+		return revtree.View{}, "not_ready", errForward
+	case r.Revision == 0 && !r.Serializable:
+		return revtree.View{}, "linearizable", errForward
+	}
+	reason := "historical"
+	if r.Revision == 0 {
+		reason = "serializable"
+	}
+	view, err := s.store.View(r.Revision)
+	if errors.Is(err, revtree.ErrFutureRev) {
+		wctx, cancel := context.WithTimeout(ctx, s.wait)
+		werr := s.follower.WaitRevision(wctx, r.Revision)
+		cancel()
+		if werr != nil {
+			return revtree.View{}, "ahead", errForward
+		}
+		reason = "waited"
+		view, err = s.store.View(r.Revision)
+	}
+	switch {
+	case err == nil:
+		return view, reason, nil
+	case errors.Is(err, revtree.ErrCompacted):
+		return revtree.View{}, "compacted", err
+	case errors.Is(err, revtree.ErrNotRetained):
+		return revtree.View{}, "not_retained", errForward
+	default:
+		return revtree.View{}, "not_ready", errForward
+	}
+}
+
+func (s *Server) forwardRange(ctx context.Context, r *pb.RangeRequest) (*pb.RangeResponse, error) {
+	resp, err := s.upstream.Range(ctx, r)
+	if err == nil {
+		s.follower.ObserveHeader(resp.Header)
+	}
+	return resp, err
+}
+
+// rangeOptions follows the upstream's release: etcd 3.7 drops the lease
+// from keys-only results.
+func (s *Server) rangeOptions() revtree.RangeOptions {
+	v := s.follower.UpstreamVersion()
+	s.optsMu.Lock()
+	defer s.optsMu.Unlock()
+	if v != s.optsVersion {
+		s.optsVersion = v
+		s.opts = rangeOptionsFor(v)
+	}
+	return s.opts
+}
+
+func rangeOptionsFor(version string) revtree.RangeOptions {
+	v, err := semver.NewVersion(strings.TrimPrefix(version, "v"))
+	if err != nil {
+		return revtree.RangeOptions{KeysOnlyWithoutLease: true} // assume the release we are built with
+	}
+	return revtree.RangeOptions{KeysOnlyWithoutLease: !v.LessThan(semver.Version{Major: 3, Minor: 7})}
+}
+
+// hasAuthToken reports whether the caller authenticated with a token.
+func hasAuthToken(ctx context.Context) bool {
+	md, ok := metadata.FromIncomingContext(ctx)
+	return ok && len(md.Get(rpctypes.TokenFieldNameGRPC)) > 0
+}
+
+// checkRangeRequest is etcd's validation (api/v3rpc/key.go), which runs
+// before anything else.
+func checkRangeRequest(r *pb.RangeRequest) error {
+	if len(r.Key) == 0 {
+		return rpctypes.ErrGRPCEmptyKey
+	}
+	if _, ok := pb.RangeRequest_SortOrder_name[int32(r.SortOrder)]; !ok {
+		return rpctypes.ErrGRPCInvalidSortOption
+	}
+	if _, ok := pb.RangeRequest_SortTarget_name[int32(r.SortTarget)]; !ok {
+		return rpctypes.ErrGRPCInvalidSortOption
+	}
+	return nil
+}
+
+// Put is forwarded to etcd.
+func (s *Server) Put(ctx context.Context, r *pb.PutRequest) (*pb.PutResponse, error) {
+	resp, err := s.upstream.Put(ctx, r)
+	if err == nil {
+		s.follower.ObserveHeader(resp.Header)
+	}
+	return resp, err
+}
+
+// DeleteRange is forwarded to etcd.
+func (s *Server) DeleteRange(ctx context.Context, r *pb.DeleteRangeRequest) (*pb.DeleteRangeResponse, error) {
+	resp, err := s.upstream.DeleteRange(ctx, r)
+	if err == nil {
+		s.follower.ObserveHeader(resp.Header)
+	}
+	return resp, err
+}
+
+// Txn is forwarded to etcd.
+func (s *Server) Txn(ctx context.Context, r *pb.TxnRequest) (*pb.TxnResponse, error) {
+	resp, err := s.upstream.Txn(ctx, r)
+	if err == nil {
+		s.follower.ObserveHeader(resp.Header)
+	}
+	return resp, err
+}
+
+// Compact is forwarded to etcd and, once etcd has compacted, mirrored into
+// the store so that the store refuses exactly what etcd refuses.
+func (s *Server) Compact(ctx context.Context, r *pb.CompactionRequest) (*pb.CompactionResponse, error) {
+	resp, err := s.upstream.Compact(ctx, r)
+	if err != nil {
+		return nil, err
+	}
+	s.follower.ObserveHeader(resp.Header)
+	s.follower.ObserveCompaction(r.Revision, "proxy")
+	return resp, nil
+}
+var _ pb.KVServer = (*Server)(nil)

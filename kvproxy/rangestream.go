@@ -1,0 +1,145 @@
+package kvproxy
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"math"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree"
+)
+
+// Chunking constants of etcd's RangeStream (server/etcdserver/v3_server.go).
+const (
+	initialStreamChunkLimit = 10
+	// streamChunkTargetBytes is etcd's default --max-request-bytes, which
+	// etcd uses as the target chunk size.
+	streamChunkTargetBytes = 1.5 * 1024 * 1024
+)
+
+// RangeStream serves etcd 3.7's chunked Range from the store when Range
+// would be, chunking exactly as etcd does; otherwise it relays etcd's stream.
+func (s *Server) RangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServer[pb.RangeStreamResponse]) error {
+	if err := checkRangeStreamRequest(r); err != nil {
+		return err
+	}
+	if !s.rangeOptions().KeysOnlyWithoutLease {
+		// Before 3.7 etcd has no RangeStream; let it say so.
+		s.m.observe(sourceForwarded, "rangestream_unsupported")
+		return s.forwardRangeStream(r, stream)
+	}
+	view, reason, err := s.route(stream.Context(), r)
+	switch {
+	case errors.Is(err, revtree.ErrCompacted):
+		s.m.observe(sourceRejected, "compacted")
+		return rpctypes.ErrGRPCCompacted
+	case err != nil:
+		s.m.observe(sourceForwarded, reason)
+		return s.forwardRangeStream(r, stream)
+	}
+	s.m.observe(sourceCache, reason)
+	return s.rangeStreamFromView(view, r, stream)
+}
+
+func (s *Server) rangeStreamFromView(view revtree.View, req *pb.RangeRequest, stream grpc.ServerStreamingServer[pb.RangeStreamResponse]) error {
+	opts := s.rangeOptions()
+	r := proto.Clone(req).(*pb.RangeRequest)
+	if r.CountOnly {
+		resp := view.Range(r, opts)
+		out := &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: resp.Header.Revision}, Count: resp.Count}
+		s.follower.FillHeader(out.Header)
+		return stream.Send(&pb.RangeStreamResponse{RangeResponse: out})
+	}
+	totalLimit := r.Limit
+	if totalLimit == 0 {
+		totalLimit = math.MaxInt64
+	}
+	r.Limit = min(int64(initialStreamChunkLimit), totalLimit)
+	var count int64
+	for {
+		resp := view.Range(r, opts)
+		count += int64(len(resp.Kvs))
+		var nextKey []byte
+		if resp.More {
+			last := resp.Kvs[len(resp.Kvs)-1].Key
+			nextKey = append(bytes.Clone(last), 0)
+		}
+		out := &pb.RangeResponse{Kvs: resp.Kvs}
+		done := !resp.More || count == totalLimit
+		if done {
+			out.Header = &pb.ResponseHeader{Revision: view.StoreRev}
+			s.follower.FillHeader(out.Header)
+			out.More = resp.More
+			out.Count = count
+			if resp.More {
+				rest := view.Range(&pb.RangeRequest{Key: nextKey, RangeEnd: r.RangeEnd, CountOnly: true}, opts)
+				out.Count += rest.Count
+			}
+		}
+		if err := stream.Send(&pb.RangeStreamResponse{RangeResponse: out}); err != nil {
+			return err
+		}
+		if done {
+			return nil
+		}
+		r.Key = nextKey
+		r.Limit = min(adjustChunkLimit(r.Limit, proto.Size(resp), streamChunkTargetBytes), totalLimit-count)
+	}
+}
+
+// adjustChunkLimit is etcd's: double or halve the chunk outside [0.5x, 2x]
+// of the target size, never below 1.
+func adjustChunkLimit(lastLimit int64, lastSize, targetSize int) int64 {
+	switch {
+	case lastSize < targetSize/2:
+		lastLimit *= 2
+	case lastSize > targetSize*2:
+		lastLimit /= 2
+	}
+	return max(lastLimit, 1)
+}
+
+func (s *Server) forwardRangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServer[pb.RangeStreamResponse]) error {
+	up, err := s.upstream.RangeStream(stream.Context(), r)
+	if err != nil {
+		return err
+	}
+	for {
+		resp, err := up.Recv()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if err := stream.Send(resp); err != nil {
+			return err
+		}
+	}
+}
+
+// checkRangeStreamRequest is etcd's validation of a RangeStream request.
+func checkRangeStreamRequest(r *pb.RangeRequest) error {
+	if err := checkRangeRequest(r); err != nil {
+		return err
+	}
+	if !revtreeDefaultOrdering(r) {
+		return status.Errorf(codes.Unimplemented, "RangeStream does not support custom sort orders")
+	}
+	if r.MinModRevision != 0 || r.MaxModRevision != 0 || r.MinCreateRevision != 0 || r.MaxCreateRevision != 0 {
+		return status.Errorf(codes.Unimplemented, "RangeStream does not support revision filters")
+	}
+	return nil
+}
+
+func revtreeDefaultOrdering(r *pb.RangeRequest) bool {
+	return r.SortOrder == pb.RangeRequest_NONE || (r.SortTarget == pb.RangeRequest_KEY && r.SortOrder == pb.RangeRequest_ASCEND)
+}

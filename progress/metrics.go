@@ -1,0 +1,67 @@
+package progress
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree"
+)
+
+// Metrics are the follower's Prometheus metrics.
+type Metrics struct {
+	reg              prometheus.Registerer
+	loads            prometheus.Counter
+	reloads          *prometheus.CounterVec
+	watchRestarts    prometheus.Counter
+	events           prometheus.Counter
+	compactions      *prometheus.CounterVec
+	progressRequests prometheus.Counter
+}
+
+// NewMetrics creates the follower's metrics and registers them with reg.
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		reg: reg,
+		loads: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "etcd_snapcache_loads_total",
+			Help: "Loads of the whole keyspace from etcd, the first included.",
+		}),
+		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "etcd_snapcache_reloads_total",
+			Help: "Reloads of the keyspace because the upstream watch could not resume, by reason (compacted, gap, inconsistent).",
+		}, []string{"reason"}),
+		watchRestarts: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "etcd_snapcache_upstream_watch_restarts_total",
+			Help: "Times the upstream watch broke and was resumed.",
+		}),
+		events: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "etcd_snapcache_events_applied_total",
+			Help: "Upstream watch events applied to the cache.",
+		}),
+		compactions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "etcd_snapcache_compactions_observed_total",
+			Help: "Compactions mirrored into the cache, by how they were learned (proxy, compact_rev_key, probe, watch).",
+		}, []string{"source"}),
+		progressRequests: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "etcd_snapcache_upstream_progress_requests_total",
+			Help: "RequestProgress calls sent on the upstream watch.",
+		}),
+	}
+	reg.MustRegister(m.loads, m.reloads, m.watchRestarts, m.events, m.compactions, m.progressRequests)
+	return m
+}
+
+func (m *Metrics) bindStore(s *revtree.Store) {
+	gauge := func(name, help string, fn func() float64) prometheus.Collector {
+		return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, fn)
+	}
+	m.reg.MustRegister(
+		gauge("etcd_snapcache_cache_revision", "Revision the cache is complete up to.",
+			func() float64 { return float64(s.Rev()) }),
+		gauge("etcd_snapcache_compact_revision", "etcd's compaction revision as mirrored by the cache.",
+			func() float64 { return float64(s.CompactRev()) }),
+		gauge("etcd_snapcache_oldest_snapshot_revision", "Revision of the oldest retained snapshot.",
+			func() float64 { return float64(s.OldestRev()) }),
+		gauge("etcd_snapcache_snapshots_retained", "Snapshots (revisions) retained in memory.",
+			func() float64 { return float64(s.Snapshots()) }),
+	)
+}

@@ -1,0 +1,42 @@
+// Package revtree is an in-memory MVCC copy of an etcd keyspace: a key-ordered
+// B-tree of *mvccpb.KeyValue, plus one copy-on-write snapshot of that tree for
+// every revision retained, so that a Range at any retained revision is answered
+// exactly as etcd would answer it.
+//
+// # Layout
+//
+// The store keeps a mutable working tree (latest) that only the single writer
+// touches, and an index of immutable snapshots ordered by revision. Applying
+// revision N mutates latest and then publishes latest.Clone() as the snapshot
+// for N. Clone is O(1): the snapshot and latest share every node until latest
+// next writes one, at which point latest copies the path from the root to
+// that node. A retained revision therefore costs one root-to-leaf path of
+// nodes, not a copy of the keyspace. KeyValues are shared by all snapshots
+// that contain them and are never mutated after insertion.
+//
+// # Worked example
+//
+// Load at revision 4 with {a@2, b@4}, then apply put(c)@5, del(a)@6, and a
+// Txn put(b),put(d)@7:
+//
+//	snapshot 4: {a@2 b@4}            events: none (load)
+//	snapshot 5: {a@2 b@4 c@5}        events: PUT c
+//	snapshot 6: {b@4 c@5}            events: DELETE a (prev a@2)
+//	snapshot 7: {b@7 c@5 d@7}        events: PUT b (prev b@4), PUT d
+//
+// A read at revision R uses the snapshot with the greatest revision <= R (a
+// floor lookup). Once a progress notification proves etcd is at 9 with no
+// change after 7, Advance(9) makes revisions 8 and 9 readable from snapshot 7.
+// A read at 3 is older than every snapshot: ErrNotRetained (the caller asks
+// etcd). A read at 10 is ErrFutureRev.
+//
+// Compact(6) records compaction revision 6 and drops every snapshot older than
+// the floor of 6: snapshots 4 and 5 go, 6 stays because a read at exactly the
+// compaction revision is still valid in etcd. A read at 5 is then ErrCompacted.
+//
+// # Concurrency
+//
+// Apply, Reset, Advance and Compact must be called by one writer at a time.
+// Range, View and the accessors may be called concurrently with the writer and
+// with each other: readers only ever touch published, immutable snapshots.
+package revtree

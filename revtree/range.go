@@ -1,0 +1,222 @@
+package revtree
+
+import (
+	"bytes"
+	"math"
+	"sort"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/mvccpb"
+)
+
+// RangeOptions selects behaviour that differs between etcd releases.
+type RangeOptions struct {
+	// KeysOnlyWithoutLease reproduces etcd 3.7's keys-only fast path, which
+	// builds results from its index and so leaves lease at 0, unless the
+	// sort target is VALUE. etcd 3.6 and older keep the lease.
+	KeysOnlyWithoutLease bool
+}
+
+// Range executes r as etcd does (server/etcdserver/txn/range.go): the range
+// forms, limit pushed into the scan only for key order without revision
+// filters, count over the whole range before filtering, etcd's sort and its
+// tie order, keys_only and count_only. The response header carries only the
+// store revision; the caller fills in the cluster fields.
+func (s *Store) Range(r *pb.RangeRequest, opts RangeOptions) (*pb.RangeResponse, error) {
+	v, err := s.View(r.Revision)
+	if err != nil {
+		return nil, err
+	}
+	return v.Range(r, opts), nil
+}
+
+// Range executes r on the view, ignoring r.Revision (see Store.Range).
+func (v View) Range(r *pb.RangeRequest, opts RangeOptions) *pb.RangeResponse {
+	resp := &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: v.StoreRev}}
+	if r.CountOnly {
+		resp.Count = v.count(r.Key, r.RangeEnd)
+		resp.Kvs = []*mvccpb.KeyValue{}
+		return resp
+	}
+	kvs, count := v.collect(r.Key, r.RangeEnd, rangeLimit(r))
+	kvs = filterKVs(kvs, r)
+	sortKVs(kvs, r)
+	if r.Limit > 0 && len(kvs) > int(r.Limit) {
+		kvs = kvs[:r.Limit]
+		resp.More = true
+	}
+	if r.KeysOnly {
+		dropLease := opts.KeysOnlyWithoutLease && r.SortTarget != pb.RangeRequest_VALUE
+		for i, kv := range kvs {
+			// Copy: the stored KeyValue is shared by every snapshot.
+			stripped := &mvccpb.KeyValue{
+				Key:            kv.Key,
+				CreateRevision: kv.CreateRevision,
+				ModRevision:    kv.ModRevision,
+				Version:        kv.Version,
+				Lease:          kv.Lease,
+			}
+			if dropLease {
+				stripped.Lease = 0
+			}
+			kvs[i] = stripped
+		}
+	}
+	resp.Count = count
+	resp.Kvs = kvs
+	return resp
+}
+
+// rangeLimit is how many results the scan keeps: everything when results
+// are re-sorted or filtered afterwards, otherwise one past the limit to
+// learn whether there are more.
+func rangeLimit(r *pb.RangeRequest) int64 {
+	limit := r.Limit
+	if !isDefaultOrdering(r.SortTarget, r.SortOrder) || hasRevisionFilters(r) {
+		limit = 0
+	}
+	if limit > 0 && limit < math.MaxInt64 {
+		limit++
+	}
+	return limit
+}
+
+func isDefaultOrdering(target pb.RangeRequest_SortTarget, order pb.RangeRequest_SortOrder) bool {
+	return order == pb.RangeRequest_NONE || (target == pb.RangeRequest_KEY && order == pb.RangeRequest_ASCEND)
+}
+
+func hasRevisionFilters(r *pb.RangeRequest) bool {
+	return r.MinModRevision != 0 || r.MaxModRevision != 0 || r.MinCreateRevision != 0 || r.MaxCreateRevision != 0
+}
+
+// isSingleKey reports whether rangeEnd names a single key. etcd treats an
+// empty range_end as one key and "\x00" as "every key from key on".
+func isSingleKey(rangeEnd []byte) bool { return len(rangeEnd) == 0 }
+
+func upperBound(rangeEnd []byte) []byte {
+	if len(rangeEnd) == 1 && rangeEnd[0] == 0 {
+		return nil
+	}
+	return rangeEnd
+}
+
+func (v View) count(key, rangeEnd []byte) int64 {
+	if isSingleKey(rangeEnd) {
+		if _, ok := v.Get(key); ok {
+			return 1
+		}
+		return 0
+	}
+	var n int64
+	v.Ascend(key, upperBound(rangeEnd), func(*mvccpb.KeyValue) bool {
+		n++
+		return true
+	})
+	return n
+}
+
+// collect returns up to limit key-values of the range (all if limit <= 0)
+// and the number of keys in the whole range.
+func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, int64) {
+	if isSingleKey(rangeEnd) {
+		if kv, ok := v.Get(key); ok {
+			return []*mvccpb.KeyValue{kv}, 1
+		}
+		return []*mvccpb.KeyValue{}, 0
+	}
+	var kvs []*mvccpb.KeyValue
+	var n int64
+	v.Ascend(key, upperBound(rangeEnd), func(kv *mvccpb.KeyValue) bool {
+		if limit <= 0 || int64(len(kvs)) < limit {
+			kvs = append(kvs, kv)
+		}
+		n++
+		return true
+	})
+	if kvs == nil {
+		kvs = []*mvccpb.KeyValue{}
+	}
+	return kvs, n
+}
+
+func filterKVs(kvs []*mvccpb.KeyValue, r *pb.RangeRequest) []*mvccpb.KeyValue {
+	if !hasRevisionFilters(r) {
+		return kvs
+	}
+	out := kvs[:0]
+	for _, kv := range kvs {
+		switch {
+		case r.MaxModRevision != 0 && kv.ModRevision > r.MaxModRevision:
+		case r.MinModRevision != 0 && kv.ModRevision < r.MinModRevision:
+		case r.MaxCreateRevision != 0 && kv.CreateRevision > r.MaxCreateRevision:
+		case r.MinCreateRevision != 0 && kv.CreateRevision < r.MinCreateRevision:
+		default:
+			out = append(out, kv)
+		}
+	}
+	return out
+}
+
+// sortKVs sorts as etcd does: sort.Sort (not stable) over the key-ordered
+// results with etcd's comparisons, so that ties come out in etcd's order.
+func sortKVs(kvs []*mvccpb.KeyValue, r *pb.RangeRequest) {
+	order := r.SortOrder
+	if r.SortTarget != pb.RangeRequest_KEY && order == pb.RangeRequest_NONE {
+		order = pb.RangeRequest_ASCEND
+	}
+	if isDefaultOrdering(r.SortTarget, order) {
+		return
+	}
+	var sorter sort.Interface
+	switch r.SortTarget {
+	case pb.RangeRequest_KEY:
+		sorter = kvSortByKey{kvSort(kvs)}
+	case pb.RangeRequest_VERSION:
+		sorter = kvSortByVersion{kvSort(kvs)}
+	case pb.RangeRequest_CREATE:
+		sorter = kvSortByCreate{kvSort(kvs)}
+	case pb.RangeRequest_MOD:
+		sorter = kvSortByMod{kvSort(kvs)}
+	case pb.RangeRequest_VALUE:
+		sorter = kvSortByValue{kvSort(kvs)}
+	default:
+		return // rejected before reaching the store, as etcd's checkRangeRequest does
+	}
+	switch order {
+	case pb.RangeRequest_ASCEND:
+		sort.Sort(sorter)
+	case pb.RangeRequest_DESCEND:
+		sort.Sort(sort.Reverse(sorter))
+	}
+}
+
+type kvSort []*mvccpb.KeyValue
+
+func (s kvSort) Len() int      { return len(s) }
+func (s kvSort) Swap(i, j int) { s[i], s[j] = s[j], s[i] }
+
+type kvSortByKey struct{ kvSort }
+
+func (s kvSortByKey) Less(i, j int) bool { return bytes.Compare(s.kvSort[i].Key, s.kvSort[j].Key) < 0 }
+
+type kvSortByVersion struct{ kvSort }
+
+func (s kvSortByVersion) Less(i, j int) bool { return (s.kvSort[i].Version - s.kvSort[j].Version) < 0 }
+
+type kvSortByCreate struct{ kvSort }
+
+func (s kvSortByCreate) Less(i, j int) bool {
+	return (s.kvSort[i].CreateRevision - s.kvSort[j].CreateRevision) < 0
+}
+
+type kvSortByMod struct{ kvSort }
+
+func (s kvSortByMod) Less(i, j int) bool {
+	return (s.kvSort[i].ModRevision - s.kvSort[j].ModRevision) < 0
+}
+
+type kvSortByValue struct{ kvSort }
+
+func (s kvSortByValue) Less(i, j int) bool {
+	return bytes.Compare(s.kvSort[i].Value, s.kvSort[j].Value) < 0
+}

@@ -1,0 +1,158 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"hash/fnv"
+	"io"
+	"strings"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+)
+
+// forwardedMetadata are the request metadata etcd acts on: the caller's auth
+// token and its demand for a leader. They travel with every forwarded call.
+var forwardedMetadata = []string{rpctypes.TokenFieldNameGRPC, rpctypes.MetadataRequireLeaderKey}
+
+// withCallerMetadata copies the caller's forwarded metadata from an incoming
+// server context to the outgoing context of an upstream call.
+func withCallerMetadata(ctx context.Context) context.Context {
+	in, ok := metadata.FromIncomingContext(ctx)
+	if !ok {
+		return ctx
+	}
+	out, _ := metadata.FromOutgoingContext(ctx)
+	out = out.Copy()
+	copied := false
+	for _, k := range forwardedMetadata {
+		if v := in.Get(k); len(v) > 0 {
+			out.Set(k, v...)
+			copied = true
+		}
+	}
+	if !copied {
+		return ctx
+	}
+	return metadata.NewOutgoingContext(ctx, out)
+}
+
+func forwardUnaryMetadata(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	return invoker(withCallerMetadata(ctx), method, req, reply, cc, opts...)
+}
+
+func forwardStreamMetadata(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	return streamer(withCallerMetadata(ctx), desc, cc, method, opts...)
+}
+
+// leaseServer forwards the Lease service. Each KeepAlive stream is relayed
+// on its own upstream stream, so TTLs and errors are exactly etcd's.
+type leaseServer struct {
+	pb.UnsafeLeaseServer
+	upstream pb.LeaseClient
+}
+
+var _ pb.LeaseServer = (*leaseServer)(nil)
+
+func (l *leaseServer) LeaseGrant(ctx context.Context, r *pb.LeaseGrantRequest) (*pb.LeaseGrantResponse, error) {
+	return l.upstream.LeaseGrant(ctx, r)
+}
+
+func (l *leaseServer) LeaseRevoke(ctx context.Context, r *pb.LeaseRevokeRequest) (*pb.LeaseRevokeResponse, error) {
+	return l.upstream.LeaseRevoke(ctx, r)
+}
+
+func (l *leaseServer) LeaseTimeToLive(ctx context.Context, r *pb.LeaseTimeToLiveRequest) (*pb.LeaseTimeToLiveResponse, error) {
+	return l.upstream.LeaseTimeToLive(ctx, r)
+}
+
+func (l *leaseServer) LeaseLeases(ctx context.Context, r *pb.LeaseLeasesRequest) (*pb.LeaseLeasesResponse, error) {
+	return l.upstream.LeaseLeases(ctx, r)
+}
+
+func (l *leaseServer) LeaseKeepAlive(stream pb.Lease_LeaseKeepAliveServer) error {
+	up, err := l.upstream.LeaseKeepAlive(stream.Context())
+	if err != nil {
+		return err
+	}
+	return relayBidi[pb.LeaseKeepAliveRequest, pb.LeaseKeepAliveResponse](stream, up)
+}
+
+// relayBidi relays a bidirectional stream until the upstream ends it. The
+// upstream call shares the client stream's context, so it ends with it.
+func relayBidi[Req, Resp any](down grpc.BidiStreamingServer[Req, Resp], up grpc.BidiStreamingClient[Req, Resp]) error {
+	go func() { // ends when the client stream or its context ends
+		for {
+			req, err := down.Recv()
+			if err != nil {
+				if errors.Is(err, io.EOF) {
+					_ = up.CloseSend()
+				}
+				return
+			}
+			if err := up.Send(req); err != nil {
+				return
+			}
+		}
+	}()
+	for {
+		resp, err := up.Recv()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if err := down.Send(resp); err != nil {
+			return err
+		}
+	}
+}
+
+// clusterServer forwards the Cluster service, except that MemberList names
+// the proxy as the only member, so clients that sync their endpoints from
+// the member list keep talking to the proxy.
+type clusterServer struct {
+	pb.UnsafeClusterServer
+	upstream pb.ClusterClient
+	self     *pb.Member
+}
+
+var _ pb.ClusterServer = (*clusterServer)(nil)
+
+func newClusterServer(upstream pb.ClusterClient, name string, clientURLs []string) *clusterServer {
+	h := fnv.New64a()
+	h.Write([]byte(strings.Join(clientURLs, ",")))
+	return &clusterServer{
+		upstream: upstream,
+		self:     &pb.Member{ID: h.Sum64(), Name: name, ClientURLs: clientURLs},
+	}
+}
+
+func (c *clusterServer) MemberList(ctx context.Context, r *pb.MemberListRequest) (*pb.MemberListResponse, error) {
+	resp, err := c.upstream.MemberList(ctx, r)
+	if err != nil {
+		return nil, err
+	}
+	resp.Members = []*pb.Member{c.self}
+	return resp, nil
+}
+
+func (c *clusterServer) MemberAdd(ctx context.Context, r *pb.MemberAddRequest) (*pb.MemberAddResponse, error) {
+	return c.upstream.MemberAdd(ctx, r)
+}
+
+func (c *clusterServer) MemberRemove(ctx context.Context, r *pb.MemberRemoveRequest) (*pb.MemberRemoveResponse, error) {
+	return c.upstream.MemberRemove(ctx, r)
+}
+
+func (c *clusterServer) MemberUpdate(ctx context.Context, r *pb.MemberUpdateRequest) (*pb.MemberUpdateResponse, error) {
+	return c.upstream.MemberUpdate(ctx, r)
+}
+
+func (c *clusterServer) MemberPromote(ctx context.Context, r *pb.MemberPromoteRequest) (*pb.MemberPromoteResponse, error) {
+	return c.upstream.MemberPromote(ctx, r)
+}
