@@ -2,9 +2,7 @@ package server
 
 import (
 	"context"
-	"errors"
 	"hash/fnv"
-	"io"
 	"strings"
 
 	"google.golang.org/grpc"
@@ -46,70 +44,6 @@ func forwardUnaryMetadata(ctx context.Context, method string, req, reply any, cc
 
 func forwardStreamMetadata(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
 	return streamer(withCallerMetadata(ctx), desc, cc, method, opts...)
-}
-
-// leaseServer forwards the Lease service. Each KeepAlive stream is relayed
-// on its own upstream stream, so TTLs and errors are exactly etcd's.
-type leaseServer struct {
-	pb.UnsafeLeaseServer
-	upstream pb.LeaseClient
-}
-
-var _ pb.LeaseServer = (*leaseServer)(nil)
-
-func (l *leaseServer) LeaseGrant(ctx context.Context, r *pb.LeaseGrantRequest) (*pb.LeaseGrantResponse, error) {
-	return l.upstream.LeaseGrant(ctx, r)
-}
-
-func (l *leaseServer) LeaseRevoke(ctx context.Context, r *pb.LeaseRevokeRequest) (*pb.LeaseRevokeResponse, error) {
-	return l.upstream.LeaseRevoke(ctx, r)
-}
-
-func (l *leaseServer) LeaseTimeToLive(ctx context.Context, r *pb.LeaseTimeToLiveRequest) (*pb.LeaseTimeToLiveResponse, error) {
-	return l.upstream.LeaseTimeToLive(ctx, r)
-}
-
-func (l *leaseServer) LeaseLeases(ctx context.Context, r *pb.LeaseLeasesRequest) (*pb.LeaseLeasesResponse, error) {
-	return l.upstream.LeaseLeases(ctx, r)
-}
-
-func (l *leaseServer) LeaseKeepAlive(stream pb.Lease_LeaseKeepAliveServer) error {
-	up, err := l.upstream.LeaseKeepAlive(stream.Context())
-	if err != nil {
-		return err
-	}
-	return relayBidi[pb.LeaseKeepAliveRequest, pb.LeaseKeepAliveResponse](stream, up)
-}
-
-// relayBidi relays a bidirectional stream until the upstream ends it. The
-// upstream call shares the client stream's context, so it ends with it.
-func relayBidi[Req, Resp any](down grpc.BidiStreamingServer[Req, Resp], up grpc.BidiStreamingClient[Req, Resp]) error {
-	go func() { // ends when the client stream or its context ends
-		for {
-			req, err := down.Recv()
-			if err != nil {
-				if errors.Is(err, io.EOF) {
-					_ = up.CloseSend()
-				}
-				return
-			}
-			if err := up.Send(req); err != nil {
-				return
-			}
-		}
-	}()
-	for {
-		resp, err := up.Recv()
-		if errors.Is(err, io.EOF) {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-		if err := down.Send(resp); err != nil {
-			return err
-		}
-	}
 }
 
 // clusterServer forwards the Cluster service, except that MemberList names

@@ -95,6 +95,7 @@ type Server struct {
 	httpServer *http.Server
 	httpLis    net.Listener
 	health     *health.Server
+	keepAlives *keepAlives
 
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -138,15 +139,20 @@ func Start(cfg Config) (*Server, error) {
 		client.Close()
 		return nil, err
 	}
-	s.grpcServer, err = s.newGRPCServer()
+	ctx, cancel := context.WithCancel(context.Background())
+	s.cancel = cancel
+	s.grpcServer, err = s.newGRPCServer(ctx)
 	if err != nil {
+		cancel()
 		s.closeListeners()
 		client.Close()
 		return nil, err
 	}
-
-	ctx, cancel := context.WithCancel(context.Background())
-	s.cancel = cancel
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.keepAlives.run()
+	}()
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
@@ -239,7 +245,7 @@ func (s *Server) closeListeners() {
 	}
 }
 
-func (s *Server) newGRPCServer() (*grpc.Server, error) {
+func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	opts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(maxRequestBytes + grpcOverheadBytes),
 		grpc.MaxSendMsgSize(maxSendBytes),
@@ -269,7 +275,8 @@ func (s *Server) newGRPCServer() (*grpc.Server, error) {
 		RevisionWait: s.cfg.RevisionWait,
 	}))
 	pb.RegisterWatchServer(gs, watchproxy.NewRelay(pb.NewWatchClient(conn)))
-	pb.RegisterLeaseServer(gs, &leaseServer{upstream: pb.NewLeaseClient(conn)})
+	s.keepAlives = newKeepAlives(ctx, pb.NewLeaseClient(conn), s.lg.Named("lease"))
+	pb.RegisterLeaseServer(gs, &leaseServer{upstream: pb.NewLeaseClient(conn), ka: s.keepAlives})
 	pb.RegisterClusterServer(gs, newClusterServer(pb.NewClusterClient(conn), memberName(), s.advertiseURLs()))
 	pb.RegisterMaintenanceServer(gs, grpcproxy.NewMaintenanceProxy(s.client))
 	pb.RegisterAuthServer(gs, grpcproxy.NewAuthProxy(s.client))

@@ -1,0 +1,272 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"io"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+)
+
+// keepAliveBuffer bounds the responses queued for one client stream. A
+// client sends a keepalive every TTL/3 and reads each answer, so a full
+// buffer means a client that stopped reading; its stream is ended rather
+// than letting it hold the shared upstream stream.
+const keepAliveBuffer = 64
+
+var errKeepAliveBacklog = status.Error(codes.ResourceExhausted, "etcd-snapcache: lease keepalive responses not read")
+
+// leaseServer forwards the Lease service. Unary calls are relayed as they
+// are; every client's KeepAlive stream is multiplexed onto one upstream
+// stream by a keepAlives coalescer.
+type leaseServer struct {
+	pb.UnsafeLeaseServer
+	upstream pb.LeaseClient
+	ka       *keepAlives
+}
+
+var _ pb.LeaseServer = (*leaseServer)(nil)
+
+func (l *leaseServer) LeaseGrant(ctx context.Context, r *pb.LeaseGrantRequest) (*pb.LeaseGrantResponse, error) {
+	return l.upstream.LeaseGrant(ctx, r)
+}
+
+func (l *leaseServer) LeaseRevoke(ctx context.Context, r *pb.LeaseRevokeRequest) (*pb.LeaseRevokeResponse, error) {
+	return l.upstream.LeaseRevoke(ctx, r)
+}
+
+func (l *leaseServer) LeaseTimeToLive(ctx context.Context, r *pb.LeaseTimeToLiveRequest) (*pb.LeaseTimeToLiveResponse, error) {
+	return l.upstream.LeaseTimeToLive(ctx, r)
+}
+
+func (l *leaseServer) LeaseLeases(ctx context.Context, r *pb.LeaseLeasesRequest) (*pb.LeaseLeasesResponse, error) {
+	return l.upstream.LeaseLeases(ctx, r)
+}
+
+// LeaseKeepAlive answers each request of the client stream with the
+// response to an upstream keepalive of that lease sent after the request
+// arrived, so the lease's new deadline is never earlier than etcd would give.
+func (l *leaseServer) LeaseKeepAlive(stream pb.Lease_LeaseKeepAliveServer) error {
+	ctx := stream.Context()
+	w := newKeepAliveWaiter(ctx.Done())
+	errc := make(chan error, 1)
+	go func() { // ends with the client stream
+		for {
+			req, err := stream.Recv()
+			if err != nil {
+				errc <- err
+				return
+			}
+			l.ka.request(req.ID, w)
+		}
+	}()
+	halfClosed := false
+	for {
+		if halfClosed && w.outstanding.Load() == 0 && len(w.respc) == 0 {
+			return nil // half-closed and every request answered, as etcd ends it
+		}
+		select {
+		case resp := <-w.respc:
+			if err := stream.Send(resp); err != nil {
+				return err
+			}
+		case err := <-errc:
+			if !errors.Is(err, io.EOF) {
+				return err
+			}
+			halfClosed = true
+		case <-w.overflow:
+			return errKeepAliveBacklog
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// keepAliveWaiter is one client stream waiting for keepalive responses.
+type keepAliveWaiter struct {
+	respc       chan *pb.LeaseKeepAliveResponse
+	done        <-chan struct{}
+	outstanding atomic.Int64 // requests not yet answered
+	overflow    chan struct{}
+	overOnce    sync.Once
+}
+
+func newKeepAliveWaiter(done <-chan struct{}) *keepAliveWaiter {
+	return &keepAliveWaiter{
+		respc:    make(chan *pb.LeaseKeepAliveResponse, keepAliveBuffer),
+		done:     done,
+		overflow: make(chan struct{}),
+	}
+}
+
+func (w *keepAliveWaiter) deliver(resp *pb.LeaseKeepAliveResponse) {
+	select {
+	case w.respc <- resp:
+	case <-w.done:
+	default:
+		w.overOnce.Do(func() { close(w.overflow) })
+	}
+	w.outstanding.Add(-1)
+}
+
+// keepAlives multiplexes the keepalives of every client onto one upstream
+// LeaseKeepAlive stream.
+//
+// Invariant: a waiter is answered only by a response to an upstream request
+// sent after the waiter's request arrived. Per lease at most one upstream
+// request is in flight; requests that arrive while it is in flight share the
+// next one.
+type keepAlives struct {
+	ctx      context.Context
+	upstream pb.LeaseClient
+	lg       *zap.Logger
+
+	mu     sync.Mutex
+	leases map[int64]*leaseKeepAlive
+	queue  []int64       // leases whose request is to be sent
+	kick   chan struct{} // wakes the sender
+}
+
+type leaseKeepAlive struct {
+	inFlight []*keepAliveWaiter // covered by the request in flight
+	next     []*keepAliveWaiter // arrived after it was sent
+	sent     bool
+}
+
+func newKeepAlives(ctx context.Context, upstream pb.LeaseClient, lg *zap.Logger) *keepAlives {
+	return &keepAlives{ctx: ctx, upstream: upstream, lg: lg, leases: map[int64]*leaseKeepAlive{}, kick: make(chan struct{}, 1)}
+}
+
+// request queues a keepalive of lease id for w.
+func (k *keepAlives) request(id int64, w *keepAliveWaiter) {
+	w.outstanding.Add(1)
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	la := k.leases[id]
+	if la == nil {
+		la = &leaseKeepAlive{}
+		k.leases[id] = la
+	}
+	la.next = append(la.next, w)
+	if !la.sent {
+		k.scheduleLocked(id, la)
+	}
+}
+
+// scheduleLocked moves the lease's next waiters in flight and queues a send.
+func (k *keepAlives) scheduleLocked(id int64, la *leaseKeepAlive) {
+	la.inFlight, la.next = la.next, nil
+	la.sent = true
+	k.queue = append(k.queue, id)
+	select {
+	case k.kick <- struct{}{}:
+	default:
+	}
+}
+
+// run owns the upstream stream: it opens it, sends queued requests,
+// dispatches responses and reopens it after a failure, until ctx is done.
+func (k *keepAlives) run() {
+	pause := 50 * time.Millisecond
+	for k.ctx.Err() == nil {
+		err := k.serveStream()
+		if k.ctx.Err() != nil {
+			return
+		}
+		k.lg.Warn("upstream lease keepalive stream broken; reopening", zap.Error(err))
+		t := time.NewTimer(pause)
+		select {
+		case <-k.ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		pause = min(2*pause, 2*time.Second)
+	}
+}
+
+func (k *keepAlives) serveStream() error {
+	ctx, cancel := context.WithCancel(k.ctx)
+	defer cancel()
+	stream, err := k.upstream.LeaseKeepAlive(ctx)
+	if err != nil {
+		return err
+	}
+	// Requests in flight on a previous stream were lost with it: queue
+	// every lease with waiters again.
+	k.mu.Lock()
+	k.queue = k.queue[:0]
+	for id, la := range k.leases {
+		la.next = append(la.inFlight, la.next...)
+		la.inFlight, la.sent = nil, false
+		if len(la.next) > 0 {
+			k.scheduleLocked(id, la)
+		}
+	}
+	k.mu.Unlock()
+
+	recvErr := make(chan error, 1)
+	go func() { // ends when the stream breaks or ctx is canceled
+		for {
+			resp, err := stream.Recv()
+			if err != nil {
+				recvErr <- err
+				return
+			}
+			k.dispatch(resp)
+		}
+	}()
+	defer func() {
+		cancel()
+		<-recvErr
+	}()
+	for {
+		select {
+		case <-k.kick:
+			k.mu.Lock()
+			ids := k.queue
+			k.queue = nil
+			k.mu.Unlock()
+			for _, id := range ids {
+				if err := stream.Send(&pb.LeaseKeepAliveRequest{ID: id}); err != nil {
+					return err
+				}
+			}
+		case err := <-recvErr:
+			recvErr <- err // for the deferred wait
+			return err
+		case <-k.ctx.Done():
+			return k.ctx.Err()
+		}
+	}
+}
+
+// dispatch answers the waiters of the request a response belongs to, and
+// sends the next request if more waiters arrived meanwhile.
+func (k *keepAlives) dispatch(resp *pb.LeaseKeepAliveResponse) {
+	k.mu.Lock()
+	la := k.leases[resp.ID]
+	if la == nil || !la.sent {
+		k.mu.Unlock()
+		return
+	}
+	waiters := la.inFlight
+	la.inFlight, la.sent = nil, false
+	if len(la.next) > 0 {
+		k.scheduleLocked(resp.ID, la)
+	} else {
+		delete(k.leases, resp.ID)
+	}
+	k.mu.Unlock()
+	for _, w := range waiters {
+		w.deliver(resp)
+	}
+}
