@@ -89,9 +89,10 @@ func hasRevisionFilters(r *pb.RangeRequest) bool {
 	return r.MinModRevision != 0 || r.MaxModRevision != 0 || r.MinCreateRevision != 0 || r.MaxCreateRevision != 0
 }
 
-// isSingleKey reports whether rangeEnd names a single key. etcd treats an
-// empty range_end as one key and "\x00" as "every key from key on".
-func isSingleKey(rangeEnd []byte) bool { return len(rangeEnd) == 0 }
+// isSingleKey reports whether rangeEnd names a single key. etcd's index
+// tells nil (an absent range_end: one key) from a present but empty one,
+// which like "\x00" means every key from key on.
+func isSingleKey(rangeEnd []byte) bool { return rangeEnd == nil }
 
 func upperBound(rangeEnd []byte) []byte {
 	if len(rangeEnd) == 1 && rangeEnd[0] == 0 {
