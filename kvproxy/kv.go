@@ -99,24 +99,27 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest) (revtree.View, s
 		return revtree.View{}, "auth", errForward
 	case !s.follower.IsReady():
 		return revtree.View{}, "not_ready", errForward
-	case r.Revision == 0 && !r.Serializable:
+	case r.Revision <= 0 && !r.Serializable:
+		// etcd reads revision <= 0 as its head, linearizably.
 		return revtree.View{}, "linearizable", errForward
 	}
-	reason := "historical"
-	if r.Revision == 0 {
-		reason = "serializable"
+	reason, need := "historical", r.Revision
+	if r.Revision <= 0 {
+		// etcd's head is never below its compaction revision; the
+		// store's may be, briefly, when it learns of a compaction before
+		// its watch delivers that revision.
+		reason, need = "serializable", s.store.CompactRev()
 	}
-	view, err := s.store.View(r.Revision)
-	if errors.Is(err, revtree.ErrFutureRev) {
+	if s.store.Rev() < need {
 		wctx, cancel := context.WithTimeout(ctx, s.wait)
-		werr := s.follower.WaitRevision(wctx, r.Revision)
+		err := s.follower.WaitRevision(wctx, need)
 		cancel()
-		if werr != nil {
+		if err != nil {
 			return revtree.View{}, "ahead", errForward
 		}
 		reason = "waited"
-		view, err = s.store.View(r.Revision)
 	}
+	view, err := s.store.View(r.Revision)
 	switch {
 	case err == nil:
 		return view, reason, nil
@@ -124,7 +127,7 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest) (revtree.View, s
 		return revtree.View{}, "compacted", err
 	case errors.Is(err, revtree.ErrNotRetained):
 		return revtree.View{}, "not_retained", errForward
-	default:
+	default: // ErrNotLoaded; ErrFutureRev cannot follow the wait
 		return revtree.View{}, "not_ready", errForward
 	}
 }
@@ -217,4 +220,5 @@ func (s *Server) Compact(ctx context.Context, r *pb.CompactionRequest) (*pb.Comp
 	s.follower.ObserveCompaction(r.Revision, "proxy")
 	return resp, nil
 }
+
 var _ pb.KVServer = (*Server)(nil)

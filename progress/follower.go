@@ -60,12 +60,12 @@ type Follower struct {
 
 	ready     chan struct{} // closed once the first load has caught up
 	readyOnce sync.Once
-	following atomic.Bool // the upstream watch is established
+	following atomic.Bool  // the upstream watch is established
 	version   atomic.Value // string: upstream etcd version
 
-	mu      sync.Mutex
-	cluster clusterFields // of the latest upstream response
-	changed chan struct{}     // closed and replaced whenever the store advances
+	mu       sync.Mutex
+	cluster  clusterFields // of the latest upstream response
+	changed  chan struct{} // closed and replaced whenever the store advances
 	progress progressState
 	kick     chan struct{} // wakes the watch loop to send a progress request
 
@@ -216,7 +216,7 @@ func (f *Follower) Run(ctx context.Context) error {
 			needLoad = true
 			continue
 		}
-		f.lg.Warn("upstream watch broken; resuming", zap.Int64("resume-revision", f.store.Rev()+1), zap.Error(err))
+		f.lg.Warn("upstream watch broken; resuming", zap.Int64("store-revision", f.store.Rev()), zap.Error(err))
 		if f.m != nil {
 			f.m.watchRestarts.Inc()
 		}
@@ -330,7 +330,11 @@ func (f *Follower) follow(ctx context.Context, bo *backoff) error {
 	if err != nil {
 		return fmt.Errorf("opening the upstream watch: %w", err)
 	}
-	startRev := f.store.Rev() + 1
+	// Start at the store's revision, not the next one: etcd drops every
+	// progress request on a stream whose watcher starts beyond its head,
+	// which an idle etcd's head + 1 would be. The revision itself comes
+	// back as a duplicate and is skipped.
+	startRev := f.store.Rev()
 	err = stream.Send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CreateRequest{CreateRequest: &pb.WatchCreateRequest{
 		Key:            wholeKey,
 		RangeEnd:       wholeRangeEnd,

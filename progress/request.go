@@ -3,6 +3,7 @@ package progress
 import (
 	"context"
 	"errors"
+	"time"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 )
@@ -18,17 +19,25 @@ var (
 	ErrNotFollowing = errors.New("progress: not following etcd")
 )
 
+// progressResend is how long a RequestProgress may go unanswered before it
+// is sent again: etcd drops, rather than defers, a request that arrives
+// while the watcher is catching up. kube-apiserver re-sends at this pace.
+const progressResend = 100 * time.Millisecond
+
 // progressState coalesces RequestProgress calls on the upstream watch.
 //
-// Invariant: a waiter is satisfied only by the answer to a request sent after
-// it arrived (generation > sent at arrival), so that the answer proves the
-// cache fresh as of a moment after the waiter began. At most one request is
-// in flight; later waiters share the next one.
+// A waiter counts only answers to requests sent after it arrived
+// (generation > sent at arrival). etcd's answers carry no request id, so an
+// answer is taken to answer the latest request sent. If it was really an
+// older one's, the waiter may give up early. WaitRevision's callers then ask
+// etcd, which is always correct; only latency is lost. At most one request
+// is in flight; later waiters share the next one.
 type progressState struct {
-	sent     uint64 // generation of the latest request sent
-	answered uint64 // generation of the latest request answered
-	wanted   uint64 // highest generation any waiter needs
-	inFlight bool
+	sent     uint64    // generation of the latest request sent
+	answered uint64    // generation of the latest request answered
+	wanted   uint64    // highest generation any waiter needs
+	inFlight bool      // a request is unanswered
+	sentAt   time.Time // when the request in flight was sent
 
 	readyTarget int64 // revision at which the first load counts as caught up
 }
@@ -58,33 +67,44 @@ func (f *Follower) wake() {
 }
 
 // sendProgressRequests sends a RequestProgress whenever a waiter needs one
-// and none is in flight, until ctx is done or a send fails.
+// and none is in flight, re-sending one left unanswered, until ctx is done
+// or a send fails.
 func (f *Follower) sendProgressRequests(ctx context.Context, stream pb.Watch_WatchClient) error {
 	req := &pb.WatchRequest{RequestUnion: &pb.WatchRequest_ProgressRequest{ProgressRequest: &pb.WatchProgressRequest{}}}
+	resend := time.NewTimer(progressResend)
+	resend.Stop()
+	defer resend.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-f.kick:
+		case <-resend.C:
 		}
 		if !f.Following() {
 			continue // re-kicked once the watch is created
 		}
 		f.mu.Lock()
-		send := !f.progress.inFlight && f.progress.wanted > f.progress.sent
+		p := &f.progress
+		expired := p.inFlight && time.Since(p.sentAt) >= progressResend
+		send := p.wanted > p.answered && (!p.inFlight || expired)
 		if send {
-			f.progress.sent++
-			f.progress.inFlight = true
+			p.sent++
+			p.inFlight = true
+			p.sentAt = time.Now()
 		}
+		inFlight := p.inFlight
 		f.mu.Unlock()
-		if !send {
-			continue
+		if send {
+			if f.m != nil {
+				f.m.progressRequests.Inc()
+			}
+			if err := stream.Send(req); err != nil {
+				return err
+			}
 		}
-		if f.m != nil {
-			f.m.progressRequests.Inc()
-		}
-		if err := stream.Send(req); err != nil {
-			return err
+		if inFlight {
+			resend.Reset(progressResend)
 		}
 	}
 }
@@ -94,9 +114,6 @@ func (f *Follower) sendProgressRequests(ctx context.Context, stream pb.Watch_Wat
 func (f *Follower) resendProgressAfterReconnect() {
 	f.mu.Lock()
 	f.progress.inFlight = false
-	if f.progress.answered < f.progress.wanted {
-		f.progress.wanted = f.progress.sent + 1
-	}
 	f.mu.Unlock()
 	f.wake()
 }

@@ -133,4 +133,3 @@ func newLogger(level string) (*zap.Logger, error) {
 	}
 	return cfg.Build()
 }
-
