@@ -125,9 +125,24 @@ func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, in
 		}
 		return []*mvccpb.KeyValue{}, 0
 	}
+	end := upperBound(rangeEnd)
+	if limit > 0 && v.flat != nil {
+		// A page: serve it from a flattened range if a previous page
+		// made one, else make one if this range has more pages.
+		if e := v.flat.get(v.kvs, key, end); e != nil {
+			return e.page(key, limit)
+		}
+		all := v.scan(key, end, 0)
+		if int64(len(all)) > limit {
+			e := &flatRange{tree: v.kvs, start: key, end: end, kvs: all}
+			v.flat.put(e)
+			return e.page(key, limit)
+		}
+		return all, int64(len(all))
+	}
 	var kvs []*mvccpb.KeyValue
 	var n int64
-	v.Ascend(key, upperBound(rangeEnd), func(kv *mvccpb.KeyValue) bool {
+	v.Ascend(key, end, func(kv *mvccpb.KeyValue) bool {
 		if limit <= 0 || int64(len(kvs)) < limit {
 			kvs = append(kvs, kv)
 		}
@@ -138,6 +153,16 @@ func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, in
 		kvs = []*mvccpb.KeyValue{}
 	}
 	return kvs, n
+}
+
+// scan returns every key-value of [key, end).
+func (v View) scan(key, end []byte, sizeHint int) []*mvccpb.KeyValue {
+	kvs := make([]*mvccpb.KeyValue, 0, sizeHint)
+	v.Ascend(key, end, func(kv *mvccpb.KeyValue) bool {
+		kvs = append(kvs, kv)
+		return true
+	})
+	return kvs
 }
 
 func filterKVs(kvs []*mvccpb.KeyValue, r *pb.RangeRequest) []*mvccpb.KeyValue {

@@ -46,6 +46,8 @@ type Store struct {
 	rev        int64                    // store is complete up to rev
 	compactRev int64
 	loaded     bool
+
+	flat flatRanges // pages of recent paginated reads
 }
 
 // snapshot is the keyspace as of rev, and the events that produced it.
@@ -269,6 +271,7 @@ type View struct {
 	// puts in a response header.
 	StoreRev int64
 	kvs      *btree.BTreeG[*mvccpb.KeyValue]
+	flat     *flatRanges
 }
 
 // View returns the keyspace at rev (0 means the store's revision), with
@@ -294,7 +297,7 @@ func (s *Store) View(rev int64) (View, error) {
 	if floor == nil {
 		return View{}, ErrNotRetained
 	}
-	return View{Rev: rev, StoreRev: s.rev, kvs: floor.kvs}, nil
+	return View{Rev: rev, StoreRev: s.rev, kvs: floor.kvs, flat: &s.flat}, nil
 }
 
 // Get returns the key-value of key in the view, if it exists.
