@@ -5,7 +5,6 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"os"
 	"runtime"
@@ -16,7 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
@@ -35,17 +33,6 @@ const (
 
 var benchClients = flag.Int("snapcache.bench.clients", 8,
 	"concurrent client goroutines of the throughput benchmarks (all share one gRPC connection per backend)")
-
-// largeRecvKV lifts grpc-go's 4 MiB receive limit on Range: the raw
-// pb.KVClients of the harness share clientv3's connections but not its call
-// options, and a full Range of the data set is about 11 MiB.
-type largeRecvKV struct{ pb.KVClient }
-
-var largeRecv = grpc.MaxCallRecvMsgSize(math.MaxInt32)
-
-func (kv largeRecvKV) Range(ctx context.Context, r *pb.RangeRequest, opts ...grpc.CallOption) (*pb.RangeResponse, error) {
-	return kv.KVClient.Range(ctx, r, append(opts, largeRecv)...)
-}
 
 // benchEnv is a cluster loaded with the benchmark data set.
 type benchEnv struct {
@@ -69,8 +56,8 @@ func newBenchEnv(b *testing.B) *benchEnv {
 	c := newCluster(b, clusterOptions{quiet: true})
 	env := &benchEnv{
 		c:        c,
-		etcdKV:   largeRecvKV{c.directKV},
-		proxyKV:  largeRecvKV{c.proxyKV},
+		etcdKV:   c.directKV,
+		proxyKV:  c.proxyKV,
 		prefix:   []byte(benchPrefix),
 		rangeEnd: []byte(clientv3.GetPrefixRangeEnd(benchPrefix)),
 		keys:     make([][]byte, benchKeys),

@@ -11,6 +11,7 @@ import (
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
+	"google.golang.org/grpc"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -109,8 +110,10 @@ func newClient(tb testing.TB, addr string) *clientv3.Client {
 	cli, err := clientv3.New(clientv3.Config{
 		Endpoints:   []string{addr},
 		DialTimeout: 5 * time.Second,
-		// Large historical ranges are bigger than grpc-go's 4 MiB default.
-		MaxCallRecvMsgSize: 1 << 30,
+		// Large historical ranges are bigger than grpc-go's 4 MiB default,
+		// and the raw pb clients on this connection do not get clientv3's
+		// MaxCallRecvMsgSize: the limit goes on the connection.
+		DialOptions: []grpc.DialOption{grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(1 << 30))},
 		// The client logs every failed attempt; the tests judge errors.
 		Logger: zap.NewNop(),
 	})

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -35,7 +34,7 @@ func TestLeaseKeepAliveCoalesced(t *testing.T) {
 
 	// etcd's own counter of streams it served (process-wide, so deltas).
 	upstreamStreams := func() float64 {
-		return gatheredValue(t, prometheus.DefaultGatherer, "grpc_server_started_total", map[string]string{"grpc_method": "LeaseKeepAlive"})
+		return metricSum(t, prometheus.DefaultGatherer, "grpc_server_started_total", map[string]string{"grpc_method": "LeaseKeepAlive"})
 	}
 	before := upstreamStreams()
 
@@ -113,44 +112,4 @@ func TestLeaseKeepAliveCoalesced(t *testing.T) {
 			t.Fatalf("answer after half-close: %v", err)
 		}
 	}
-}
-
-// gatheredValue sums the counter or gauge name over the series whose labels
-// include want.
-func gatheredValue(tb testing.TB, g prometheus.Gatherer, name string, want map[string]string) float64 {
-	tb.Helper()
-	mfs, err := g.Gather()
-	if err != nil {
-		tb.Fatal(err)
-	}
-	var sum float64
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	series:
-		for _, m := range mf.GetMetric() {
-			labels := map[string]string{}
-			for _, l := range m.GetLabel() {
-				labels[l.GetName()] = l.GetValue()
-			}
-			for k, v := range want {
-				if labels[k] != v {
-					continue series
-				}
-			}
-			sum += metricValue(m)
-		}
-	}
-	return sum
-}
-
-func metricValue(m *dto.Metric) float64 {
-	switch {
-	case m.GetCounter() != nil:
-		return m.GetCounter().GetValue()
-	case m.GetGauge() != nil:
-		return m.GetGauge().GetValue()
-	}
-	return 0
 }

@@ -209,10 +209,13 @@ func (s *Server) dialUpstream() (*clientv3.Client, error) {
 		DialKeepAliveTimeout: keepAliveTimeout,
 		TLS:                  tlsCfg,
 		Logger:               s.lg.Named("upstream"),
-		// Each client's stream and its read results may be as large as
-		// etcd allows.
-		MaxCallRecvMsgSize: maxSendBytes,
 		DialOptions: []grpc.DialOption{
+			// Responses from etcd may be as large as etcd sends (a catch-up
+			// watch response batches many revisions; a forwarded Range may
+			// be any size). clientv3's MaxCallRecvMsgSize applies only to
+			// its own wrappers, not to the raw stubs used here, so the
+			// limit is set on the connection.
+			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxSendBytes)),
 			grpc.WithChainUnaryInterceptor(forwardUnaryMetadata),
 			grpc.WithChainStreamInterceptor(forwardStreamMetadata),
 		},
