@@ -1,0 +1,233 @@
+package integration
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"io"
+	"math/big"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap/zaptest"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"go.etcd.io/etcd/client/pkg/v3/transport"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/server/v3/embed"
+
+	"github.com/etcd-snapcache/etcd-snapcache/server"
+)
+
+// TestReadinessFollowsTheLoad: /readyz and the gRPC health service say "not
+// ready" while the cache cannot load (etcd unreachable), /livez says the
+// process is up, and both turn green once the load is done. The upstream is
+// given as a bare host:port.
+func TestReadinessFollowsTheLoad(t *testing.T) {
+	e, err := server.StartEmbedded(server.EmbeddedConfig{Dir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	r := newRelay(t, e.Clients[0].Addr().String())
+	r.Cut()
+	p, err := server.Start(server.Config{
+		Endpoints:   []string{r.addr()}, // host:port, no scheme
+		ListenAddr:  "127.0.0.1:0",
+		MetricsAddr: "127.0.0.1:0",
+		Logger:      zaptest.NewLogger(t),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Stop)
+
+	get := func(path string) (int, string) {
+		resp, err := http.Get("http://" + p.MetricsAddr() + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	conn, err := grpc.NewClient(p.Addr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	health := func() healthpb.HealthCheckResponse_ServingStatus {
+		resp, err := healthpb.NewHealthClient(conn).Check(context.Background(), &healthpb.HealthCheckRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.Status
+	}
+
+	if code, _ := get("/livez"); code != http.StatusOK {
+		t.Fatalf("/livez = %d while loading, want 200", code)
+	}
+	if code, _ := get("/readyz"); code != http.StatusServiceUnavailable {
+		t.Fatalf("/readyz = %d before the load, want 503", code)
+	}
+	if s := health(); s != healthpb.HealthCheckResponse_NOT_SERVING {
+		t.Fatalf("health = %v before the load, want NOT_SERVING", s)
+	}
+
+	r.Restore()
+	select {
+	case <-p.Ready():
+	case <-time.After(30 * time.Second):
+		t.Fatal("not ready after the upstream came back")
+	}
+	if code, _ := get("/readyz"); code != http.StatusOK {
+		t.Fatalf("/readyz = %d after the load, want 200", code)
+	}
+	waitFor(t, "health SERVING", func() bool { return health() == healthpb.HealthCheckResponse_SERVING })
+	if _, body := get("/metrics"); !strings.Contains(body, "etcd_snapcache_cache_revision") {
+		t.Fatal("/metrics lacks etcd_snapcache_cache_revision")
+	}
+}
+
+// TestTLSBothWays: etcd serves TLS and requires client certificates; the
+// proxy dials it with --cacert/--cert/--key, and serves TLS itself with
+// --cert-file/--key-file/--trusted-ca-file, requiring client certificates.
+// A client with a certificate reads and writes through it; one without is
+// refused.
+func TestTLSBothWays(t *testing.T) {
+	dir := t.TempDir()
+	pki := newTestPKI(t, dir)
+
+	cfg := embed.NewConfig()
+	cfg.Dir = filepath.Join(dir, "etcd")
+	curl, _ := url.Parse("https://" + freeAddr(t))
+	purl, _ := url.Parse("http://" + freeAddr(t))
+	cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{*curl}, []url.URL{*curl}
+	cfg.ListenPeerUrls, cfg.AdvertisePeerUrls = []url.URL{*purl}, []url.URL{*purl}
+	cfg.InitialCluster = cfg.InitialClusterFromName(cfg.Name)
+	cfg.ClientTLSInfo = transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca, ClientCertAuth: true}
+	cfg.LogLevel = "error"
+	e, err := embed.StartEtcd(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	<-e.Server.ReadyNotify()
+
+	p, err := server.Start(server.Config{
+		Endpoints:   []string{curl.String()},
+		ListenAddr:  "127.0.0.1:0",
+		UpstreamTLS: transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: pki.clientCert, KeyFile: pki.clientKey},
+		ServerTLS:   transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca},
+		Logger:      zaptest.NewLogger(t),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Stop)
+	<-p.Ready()
+
+	clientTLS, err := transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: pki.clientCert, KeyFile: pki.clientKey}.ClientConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{"https://" + p.Addr()}, TLS: clientTLS, DialTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	put, err := cli.Put(ctx, "tls", "yes")
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the cache to apply the put", func() bool { return p.Store().Rev() >= put.Header.Revision })
+	got, err := cli.Get(ctx, "tls", clientv3.WithRev(put.Header.Revision))
+	if err != nil || len(got.Kvs) != 1 || string(got.Kvs[0].Value) != "yes" {
+		t.Fatalf("get through TLS: %v %v", got, err)
+	}
+
+	// No client certificate: the TLS handshake is refused.
+	noCert, err := transport.TLSInfo{TrustedCAFile: pki.ca}.ClientConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := tls.Dial("tcp", p.Addr(), noCert)
+	if err == nil {
+		// TLS 1.3 reports a missing client certificate on the first read.
+		_, err = conn.Read(make([]byte, 1))
+		conn.Close()
+	}
+	if err == nil {
+		t.Fatal("a client without a certificate was served")
+	}
+}
+
+type testPKI struct{ ca, serverCert, serverKey, clientCert, clientKey string }
+
+// newTestPKI writes a CA, a server certificate for 127.0.0.1 and a client
+// certificate, all signed by the CA, into dir.
+func newTestPKI(t *testing.T, dir string) testPKI {
+	t.Helper()
+	caKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	caTmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test-ca"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IsCA: true, KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true,
+	}
+	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca, _ := x509.ParseCertificate(caDER)
+	write := func(name, typ string, der []byte) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	leaf := func(name string, serial int64, usage x509.ExtKeyUsage) (string, string) {
+		key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		tmpl := &x509.Certificate{
+			SerialNumber: big.NewInt(serial), Subject: pkix.Name{CommonName: name},
+			NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+			KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{usage},
+			IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
+		}
+		der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
+		if err != nil {
+			t.Fatal(err)
+		}
+		keyDER, _ := x509.MarshalECPrivateKey(key)
+		return write(name+".crt", "CERTIFICATE", der), write(name+".key", "EC PRIVATE KEY", keyDER)
+	}
+	p := testPKI{ca: write("ca.crt", "CERTIFICATE", caDER)}
+	p.serverCert, p.serverKey = leaf("server", 2, x509.ExtKeyUsageServerAuth)
+	p.clientCert, p.clientKey = leaf("client", 3, x509.ExtKeyUsageClientAuth)
+	return p
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
