@@ -31,6 +31,11 @@ type clusterOptions struct {
 	loadRetainedHistory bool
 	// quiet drops the proxy's logs (benchmarks).
 	quiet bool
+	// maxRequestBytes sets etcd's --max-request-bytes and the proxy's.
+	maxRequestBytes int
+	// progressNotifyInterval sets the proxy's periodic watch progress
+	// interval (etcd's is set with v3rpc.SetProgressReportInterval).
+	progressNotifyInterval time.Duration
 }
 
 // cluster is an embedded etcd with the proxy in front of it.
@@ -55,6 +60,7 @@ func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 		Dir:                     tb.TempDir(),
 		AutoCompactionMode:      opts.autoCompactionMode,
 		AutoCompactionRetention: opts.autoCompactionRetention,
+		MaxRequestBytes:         uint(opts.maxRequestBytes),
 	})
 	if err != nil {
 		tb.Fatal(err)
@@ -68,12 +74,14 @@ func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 		upstream = c.relay.addr()
 	}
 	c.proxyCfg = server.Config{
-		Endpoints:               []string{"http://" + upstream},
-		ListenAddr:              "127.0.0.1:0",
-		MetricsAddr:             "127.0.0.1:0",
-		CompactionProbeInterval: 20 * time.Millisecond,
-		LoadRetainedHistory:     opts.loadRetainedHistory,
-		Logger:                  lg,
+		Endpoints:                   []string{"http://" + upstream},
+		ListenAddr:                  "127.0.0.1:0",
+		MetricsAddr:                 "127.0.0.1:0",
+		CompactionProbeInterval:     20 * time.Millisecond,
+		LoadRetainedHistory:         opts.loadRetainedHistory,
+		MaxRequestBytes:             opts.maxRequestBytes,
+		WatchProgressNotifyInterval: opts.progressNotifyInterval,
+		Logger:                      lg,
 	}
 	if opts.quiet {
 		c.proxyCfg.Logger = nil

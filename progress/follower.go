@@ -13,6 +13,7 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
@@ -59,6 +60,7 @@ type Follower struct {
 	m     *Metrics
 
 	ready     chan struct{} // closed once the first load has caught up
+	leader    leaderState
 	readyOnce sync.Once
 	following atomic.Bool  // the upstream watch is established
 	version   atomic.Value // string: upstream etcd version
@@ -162,8 +164,9 @@ func (f *Follower) ObserveCompaction(rev int64, source string) {
 	}
 }
 
-// changedChan returns a channel closed at the next advance of the store.
-func (f *Follower) changedChan() <-chan struct{} {
+// Changed returns a channel that is closed the next time the store advances
+// (events applied, a progress notification, a load) or is reset.
+func (f *Follower) Changed() <-chan struct{} {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.changed
@@ -363,6 +366,9 @@ func (f *Follower) follow(ctx context.Context, bo *backoff) error {
 			if errors.Is(err, io.EOF) {
 				err = io.ErrUnexpectedEOF
 			}
+			if errors.Is(rpctypes.Error(err), rpctypes.ErrNoLeader) {
+				f.leader.lost()
+			}
 			select {
 			case serr := <-sendErr:
 				if serr != nil && !errors.Is(serr, context.Canceled) {
@@ -382,6 +388,7 @@ func (f *Follower) follow(ctx context.Context, bo *backoff) error {
 			return fmt.Errorf("upstream watch canceled: %s", resp.CancelReason)
 		case resp.Created:
 			f.following.Store(true)
+			f.leader.found()
 			bo.reset()
 			f.lg.Info("following etcd", zap.Int64("start-revision", startRev))
 			// The created response promises nothing about revisions: a

@@ -147,7 +147,7 @@ func (f *Follower) WaitRevision(ctx context.Context, rev int64) error {
 	}
 	gen := f.requestProgress()
 	for {
-		changed := f.changedChan()
+		changed := f.Changed()
 		if f.store.Rev() >= rev {
 			return nil
 		}
@@ -158,6 +158,31 @@ func (f *Follower) WaitRevision(ctx context.Context, rev int64) error {
 		case <-changed:
 		case <-ctx.Done():
 			return ctx.Err()
+		}
+	}
+}
+
+// WaitFresh waits until etcd has answered a progress request sent after the
+// call began, and returns the store's revision then: every event etcd had
+// committed when the call began is in the store. It fails with
+// ErrNotFollowing while the upstream watch is down, or with ctx's error.
+func (f *Follower) WaitFresh(ctx context.Context) (int64, error) {
+	if !f.Following() {
+		return 0, ErrNotFollowing
+	}
+	gen := f.requestProgress()
+	for {
+		changed := f.Changed()
+		if f.answeredGeneration() >= gen {
+			return f.store.Rev(), nil
+		}
+		if !f.Following() {
+			return 0, ErrNotFollowing
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return 0, ctx.Err()
 		}
 	}
 }

@@ -577,13 +577,15 @@ func (h *harness) checkEvents() {
 	for i, st := range h.stores {
 		// The oldest snapshot is the Reset at 1 (no events) or a compaction
 		// floor, whose events are still retained.
-		next := st.OldestRev()
-		if next <= 1 {
-			next = 2
+		next := st.HistoryStart()
+		batches, _, err := st.EventsFrom(next, h.rev, 0)
+		if err != nil {
+			h.t.Fatalf("degree %d: EventsFrom(%d): %v", h.degrees[i], next, err)
 		}
-		st.Events(0, h.rev, func(rev int64, evs []*mvccpb.Event) bool {
+		for _, b := range batches {
+			rev, evs := b.Rev, b.Events
 			if rev != next {
-				h.t.Fatalf("degree %d: Events gave revision %d, want %d", h.degrees[i], rev, next)
+				h.t.Fatalf("degree %d: EventsFrom gave revision %d, want %d", h.degrees[i], rev, next)
 			}
 			next++
 			want := h.events[rev]
@@ -595,8 +597,7 @@ func (h *harness) checkEvents() {
 					h.t.Fatalf("degree %d: revision %d event %d is %v, etcd sent %v", h.degrees[i], rev, j, evs[j], want[j])
 				}
 			}
-			return true
-		})
+		}
 		if next != h.rev+1 {
 			h.t.Fatalf("degree %d: Events ended before revision %d (next %d)", h.degrees[i], h.rev, next)
 		}

@@ -319,21 +319,64 @@ func (v View) Ascend(key, end []byte, fn func(*mvccpb.KeyValue) bool) {
 	v.kvs.AscendRange(pivot, &mvccpb.KeyValue{Key: end}, fn)
 }
 
-// Events calls fn with the events of every retained revision in (after,
-// upTo], in revision order, until fn returns false.
-func (s *Store) Events(after, upTo int64, fn func(rev int64, events []*mvccpb.Event) bool) {
+// HistoryStart returns the first revision whose events the store holds:
+// every event from it up to Rev is retained. 0 if the store is not loaded.
+func (s *Store) HistoryStart() int64 {
 	s.mu.RLock()
-	var snaps []*snapshot
-	s.snapshots.AscendRange(&snapshot{rev: after + 1}, &snapshot{rev: upTo + 1}, func(sn *snapshot) bool {
-		if sn.events != nil {
-			snaps = append(snaps, sn)
+	defer s.mu.RUnlock()
+	return s.historyStartLocked()
+}
+
+// historyStartLocked: the oldest snapshot holds the events of its revision,
+// unless it is a load, whose events were never seen.
+func (s *Store) historyStartLocked() int64 {
+	oldest, ok := s.snapshots.Min()
+	if !ok {
+		return 0
+	}
+	if oldest.events == nil {
+		return oldest.rev + 1
+	}
+	return oldest.rev
+}
+
+// Batch is the events of one revision.
+type Batch struct {
+	Rev    int64
+	Events []*mvccpb.Event // with PrevKv; shared, never to be modified
+}
+
+// EventsFrom returns the events of revisions from..upTo (inclusive), at most
+// max revisions of them if max > 0, in revision order, and the revision the
+// result is complete up to (upTo, or the last revision returned when max
+// cut it short). It fails with ErrCompacted if from is below the compaction
+// revision, and with ErrNotRetained if events from `from` on are no longer
+// all held (a reload or trimming dropped them); the check and the read are
+// atomic.
+func (s *Store) EventsFrom(from, upTo int64, max int) ([]Batch, int64, error) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	switch {
+	case !s.loaded:
+		return nil, 0, ErrNotLoaded
+	case from < s.compactRev:
+		return nil, 0, ErrCompacted
+	case from < s.historyStartLocked():
+		return nil, 0, ErrNotRetained
+	}
+	upTo = min(upTo, s.rev)
+	var out []Batch
+	complete := upTo
+	s.snapshots.AscendRange(&snapshot{rev: from}, &snapshot{rev: upTo + 1}, func(sn *snapshot) bool {
+		if sn.events == nil {
+			return true
 		}
+		if max > 0 && len(out) == max {
+			complete = out[len(out)-1].Rev
+			return false
+		}
+		out = append(out, Batch{Rev: sn.rev, Events: sn.events})
 		return true
 	})
-	s.mu.RUnlock()
-	for _, sn := range snaps {
-		if !fn(sn.rev, sn.events) {
-			return
-		}
-	}
+	return out, complete, nil
 }

@@ -289,9 +289,8 @@ func TestApplyRejects(t *testing.T) {
 					t.Errorf("event %d PrevKv set to %v by a rejected Apply", i, ev.PrevKv)
 				}
 			}
-			n := 0
-			s.Events(0, 100, func(int64, []*mvccpb.Event) bool { n++; return true })
-			if n != 3 {
+			batches, _, err := s.EventsFrom(s.HistoryStart(), 100, 0)
+			if n := len(batches); err != nil || n != 3 {
 				t.Errorf("%d revisions of events retained, want 3", n)
 			}
 			// The store still takes the correct next revision.
@@ -336,39 +335,47 @@ func TestApplyTxnSameKey(t *testing.T) {
 	}
 }
 
-func TestEvents(t *testing.T) {
+func TestEventsFrom(t *testing.T) {
 	s, _ := workedExample(t, 8)
-	collect := func(after, upTo int64, stopAfter int) []int64 {
+	collect := func(from, upTo int64, max int) string {
+		batches, complete, err := s.EventsFrom(from, upTo, max)
+		if err != nil {
+			return err.Error()
+		}
 		var revs []int64
-		s.Events(after, upTo, func(rev int64, evs []*mvccpb.Event) bool {
-			if len(evs) == 0 {
-				t.Errorf("revision %d without events", rev)
+		for _, b := range batches {
+			if len(b.Events) == 0 {
+				t.Errorf("revision %d without events", b.Rev)
 			}
-			revs = append(revs, rev)
-			return len(revs) < stopAfter
-		})
-		return revs
+			revs = append(revs, b.Rev)
+		}
+		return fmt.Sprint(revs, " complete ", complete)
 	}
-	for _, tc := range []struct {
-		after, upTo int64
-		stop        int
-		want        string
-	}{
-		{0, 100, 100, "[5 6 7]"}, // the load snapshot (4) has no events
-		{4, 7, 100, "[5 6 7]"},
-		{5, 7, 100, "[6 7]"},
-		{5, 6, 100, "[6]"},
-		{7, 100, 100, "[]"},
-		{0, 100, 2, "[5 6]"},
-	} {
-		if got := fmt.Sprint(collect(tc.after, tc.upTo, tc.stop)); got != tc.want {
-			t.Errorf("Events(%d, %d) stopping after %d: %s, want %s", tc.after, tc.upTo, tc.stop, got, tc.want)
+	check := func(from, upTo int64, max int, want string) {
+		t.Helper()
+		if got := collect(from, upTo, max); got != want {
+			t.Errorf("EventsFrom(%d, %d, %d): %s, want %s", from, upTo, max, got, want)
 		}
 	}
-	s.Compact(6)
-	if got := fmt.Sprint(collect(0, 100, 100)); got != "[6 7]" {
-		t.Errorf("Events after Compact(6): %s, want [6 7]", got)
+	if got := s.HistoryStart(); got != 5 {
+		t.Errorf("HistoryStart = %d, want 5: the load at 4 has no events", got)
 	}
+	check(5, 100, 0, "[5 6 7] complete 7") // upTo is capped at the store revision
+	check(6, 7, 0, "[6 7] complete 7")
+	check(6, 6, 0, "[6] complete 6")
+	check(8, 100, 0, "[] complete 7")
+	check(5, 100, 2, "[5 6] complete 6") // max cuts it short: complete up to 6 only
+	check(4, 100, 0, revtree.ErrNotRetained.Error())
+
+	s.Advance(9) // progress: no events at 8 or 9
+	check(7, 100, 0, "[7] complete 9")
+
+	s.Compact(6)
+	if got := s.HistoryStart(); got != 6 {
+		t.Errorf("HistoryStart after Compact(6) = %d, want 6: the floor keeps its events", got)
+	}
+	check(5, 100, 0, revtree.ErrCompacted.Error())
+	check(6, 100, 0, "[6 7] complete 9") // a watch from exactly the compaction revision sees it
 }
 
 // TestRangeNeverMutates checks that keys_only and sorting never touch the

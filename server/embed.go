@@ -20,7 +20,9 @@ type EmbeddedConfig struct {
 	// AutoCompactionMode and AutoCompactionRetention are etcd's
 	// --auto-compaction-mode and --auto-compaction-retention.
 	AutoCompactionMode, AutoCompactionRetention string
-	Logger                                      *zap.Logger
+	// MaxRequestBytes is etcd's --max-request-bytes (etcd's default if 0).
+	MaxRequestBytes uint
+	Logger          *zap.Logger
 }
 
 // StartEmbedded starts a single-member etcd in this process and waits until
@@ -51,6 +53,9 @@ func StartEmbedded(cfg EmbeddedConfig) (*embed.Etcd, error) {
 	if cfg.AutoCompactionMode != "" {
 		ec.AutoCompactionMode = cfg.AutoCompactionMode
 		ec.AutoCompactionRetention = cfg.AutoCompactionRetention
+	}
+	if cfg.MaxRequestBytes > 0 {
+		ec.MaxRequestBytes = cfg.MaxRequestBytes
 	}
 	ec.LogLevel = "error"
 	if cfg.Logger != nil {

@@ -34,16 +34,16 @@ import (
 
 // etcd's gRPC server limits (server/embed/config.go, api/v3rpc/grpc.go).
 const (
-	maxRequestBytes       = 1.5 * 1024 * 1024
-	grpcOverheadBytes     = 512 * 1024
-	maxSendBytes          = math.MaxInt32
-	keepAliveMinTime      = 5 * time.Second
-	keepAliveInterval     = 2 * time.Hour
-	keepAliveTimeout      = 20 * time.Second
-	defaultDialTimeout    = 5 * time.Second
-	gracefulStopTimeout   = 10 * time.Second
-	defaultMemberName     = "etcd-snapcache"
-	upstreamKeepAliveTime = 30 * time.Second
+	defaultMaxRequestBytes = 1.5 * 1024 * 1024
+	grpcOverheadBytes      = 512 * 1024
+	maxSendBytes           = math.MaxInt32
+	keepAliveMinTime       = 5 * time.Second
+	keepAliveInterval      = 2 * time.Hour
+	keepAliveTimeout       = 20 * time.Second
+	defaultDialTimeout     = 5 * time.Second
+	gracefulStopTimeout    = 10 * time.Second
+	defaultMemberName      = "etcd-snapcache"
+	upstreamKeepAliveTime  = 30 * time.Second
 )
 
 // Config configures a Server.
@@ -77,6 +77,13 @@ type Config struct {
 	LoadRetainedHistory bool
 	// LoadPageSize is the page size of the initial load.
 	LoadPageSize int64
+	// MaxRequestBytes is etcd's --max-request-bytes of the upstream: the
+	// largest request accepted (plus gRPC overhead, as etcd) and the size
+	// at which fragmenting watchers' responses are split. Default 1.5 MiB.
+	MaxRequestBytes int
+	// WatchProgressNotifyInterval is the interval of periodic progress
+	// notifications to idle progress_notify watchers (etcd's default if 0).
+	WatchProgressNotifyInterval time.Duration
 
 	Logger *zap.Logger
 }
@@ -96,6 +103,7 @@ type Server struct {
 	httpLis    net.Listener
 	health     *health.Server
 	keepAlives *keepAlives
+	watch      *watchproxy.Server
 
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -111,6 +119,9 @@ func Start(cfg Config) (*Server, error) {
 	}
 	if cfg.DialTimeout <= 0 {
 		cfg.DialTimeout = defaultDialTimeout
+	}
+	if cfg.MaxRequestBytes <= 0 {
+		cfg.MaxRequestBytes = defaultMaxRequestBytes
 	}
 	if len(cfg.Endpoints) == 0 {
 		return nil, errors.New("no upstream etcd endpoints")
@@ -250,7 +261,7 @@ func (s *Server) closeListeners() {
 
 func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	opts := []grpc.ServerOption{
-		grpc.MaxRecvMsgSize(maxRequestBytes + grpcOverheadBytes),
+		grpc.MaxRecvMsgSize(s.cfg.MaxRequestBytes + grpcOverheadBytes),
 		grpc.MaxSendMsgSize(maxSendBytes),
 		grpc.MaxConcurrentStreams(math.MaxUint32),
 		// As etcd: clients ping every 30 s on open streams, which a
@@ -277,7 +288,16 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		Metrics:      kvproxy.NewMetrics(s.registry),
 		RevisionWait: s.cfg.RevisionWait,
 	}))
-	pb.RegisterWatchServer(gs, watchproxy.NewRelay(pb.NewWatchClient(conn)))
+	s.watch = watchproxy.New(watchproxy.Config{
+		Store:                  s.store,
+		Follower:               s.follower,
+		Upstream:               pb.NewWatchClient(conn),
+		ProgressNotifyInterval: s.cfg.WatchProgressNotifyInterval,
+		MaxRequestBytes:        s.cfg.MaxRequestBytes,
+		Logger:                 s.lg.Named("watch"),
+		Metrics:                watchproxy.NewMetrics(s.registry),
+	})
+	pb.RegisterWatchServer(gs, s.watch)
 	s.keepAlives = newKeepAlives(ctx, pb.NewLeaseClient(conn), s.lg.Named("lease"))
 	pb.RegisterLeaseServer(gs, &leaseServer{upstream: pb.NewLeaseClient(conn), ka: s.keepAlives})
 	pb.RegisterClusterServer(gs, newClusterServer(pb.NewClusterClient(conn), memberName(), s.advertiseURLs()))
@@ -338,6 +358,7 @@ func (s *Server) Err() <-chan error { return s.errc }
 func (s *Server) Stop() {
 	s.once.Do(func() {
 		s.health.Shutdown()
+		s.watch.Close() // watch streams never end on their own
 		stopped := make(chan struct{})
 		go func() {
 			s.grpcServer.GracefulStop()

@@ -45,6 +45,10 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "cert-file", Category: catServing, Usage: "serve TLS with this certificate"},
 			&cli.StringFlag{Name: "key-file", Category: catServing, Usage: "key of --cert-file"},
 			&cli.StringFlag{Name: "trusted-ca-file", Category: catServing, Usage: "require client certificates signed by this CA"},
+			&cli.IntFlag{Name: "max-request-bytes", Category: catServing, Value: 1.5 * 1024 * 1024,
+				Usage: "the upstream's --max-request-bytes: the largest request accepted, and where fragmenting watch responses are split"},
+			&cli.DurationFlag{Name: "watch-progress-notify-interval", Category: catServing, Value: 10 * 60e9,
+				Usage: "interval of progress notifications to idle watchers that asked for them (etcd's default)"},
 			&cli.StringFlag{Name: "log-level", Category: catServing, Value: "info", Usage: "debug, info, warn or error"},
 
 			&cli.StringFlag{Name: "data-dir", Category: catEmbedded, Value: ".snapcache/etcd", Usage: "data directory of the embedded etcd"},
@@ -104,13 +108,15 @@ func serve(c *cli.Context) error {
 			KeyFile:       c.String("key"),
 			TrustedCAFile: c.String("cacert"),
 		},
-		DialTimeout:             c.Duration("dial-timeout"),
-		BTreeDegree:             c.Int("btree-degree"),
-		RevisionWait:            c.Duration("revision-wait"),
-		CompactionProbeInterval: c.Duration("compaction-probe-interval"),
-		LoadRetainedHistory:     c.Bool("load-retained-history"),
-		LoadPageSize:            c.Int64("load-page-size"),
-		Logger:                  lg,
+		DialTimeout:                 c.Duration("dial-timeout"),
+		BTreeDegree:                 c.Int("btree-degree"),
+		RevisionWait:                c.Duration("revision-wait"),
+		CompactionProbeInterval:     c.Duration("compaction-probe-interval"),
+		LoadRetainedHistory:         c.Bool("load-retained-history"),
+		LoadPageSize:                c.Int64("load-page-size"),
+		MaxRequestBytes:             c.Int("max-request-bytes"),
+		WatchProgressNotifyInterval: c.Duration("watch-progress-notify-interval"),
+		Logger:                      lg,
 	})
 	if err != nil {
 		return err

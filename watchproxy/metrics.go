@@ -1,0 +1,94 @@
+package watchproxy
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// Metrics are the Watch service's Prometheus metrics. A nil *Metrics
+// records nothing.
+type Metrics struct {
+	streams          prometheus.Gauge
+	watchers         prometheus.Gauge
+	eventsSent       prometheus.Counter
+	catchups         prometheus.Counter
+	compactedCancels prometheus.Counter
+	relayedStreams   prometheus.Counter
+}
+
+// NewMetrics creates the Watch service's metrics and registers them with reg.
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		streams: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "etcd_snapcache_watch_streams",
+			Help: "Client watch streams served from the cache.",
+		}),
+		watchers: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "etcd_snapcache_watchers",
+			Help: "Client watchers served from the cache.",
+		}),
+		eventsSent: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "etcd_snapcache_watch_events_sent_total",
+			Help: "Events sent to client watchers.",
+		}),
+		catchups: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "etcd_snapcache_watch_catchups_total",
+			Help: "Watchers caught up from etcd's history because they started before the cache's.",
+		}),
+		compactedCancels: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "etcd_snapcache_watch_compacted_total",
+			Help: "Watchers canceled because etcd compacted their next revision.",
+		}),
+		relayedStreams: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "etcd_snapcache_watch_relayed_streams_total",
+			Help: "Watch streams relayed to etcd because they carry an auth token.",
+		}),
+	}
+	reg.MustRegister(m.streams, m.watchers, m.eventsSent, m.catchups, m.compactedCancels, m.relayedStreams)
+	return m
+}
+
+func (m *Metrics) streamOpened() {
+	if m != nil {
+		m.streams.Inc()
+	}
+}
+
+func (m *Metrics) streamClosed() {
+	if m != nil {
+		m.streams.Dec()
+	}
+}
+
+func (m *Metrics) watchersAdded(n int) {
+	if m != nil {
+		m.watchers.Add(float64(n))
+	}
+}
+
+func (m *Metrics) watchersRemoved(n int) {
+	if m != nil {
+		m.watchers.Sub(float64(n))
+	}
+}
+
+func (m *Metrics) relayed() {
+	if m != nil {
+		m.relayedStreams.Inc()
+	}
+}
+
+func (m *Metrics) sent(events int) {
+	if m != nil {
+		m.eventsSent.Add(float64(events))
+	}
+}
+
+func (m *Metrics) compacted() {
+	if m != nil {
+		m.compactedCancels.Inc()
+	}
+}
+
+func (m *Metrics) caughtUp() {
+	if m != nil {
+		m.catchups.Inc()
+	}
+}

@@ -1,0 +1,129 @@
+package watchproxy
+
+import (
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc/metadata"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+
+	"github.com/etcd-snapcache/etcd-snapcache/progress"
+	"github.com/etcd-snapcache/etcd-snapcache/revtree"
+)
+
+// DefaultProgressNotifyInterval is etcd's default interval of periodic
+// progress notifications to idle progress_notify watchers.
+const DefaultProgressNotifyInterval = 10 * time.Minute
+
+// etcd's default --max-request-bytes, which etcd also uses as the fragment
+// size of fragmenting watchers.
+const defaultMaxRequestBytes = 1.5 * 1024 * 1024
+
+// maxCatchups bounds the upstream watches opened at once to catch watchers
+// up from history the proxy does not hold; further watchers wait.
+const maxCatchups = 8
+
+// Config configures a Server.
+type Config struct {
+	Store    *revtree.Store
+	Follower *progress.Follower
+	// Upstream is etcd's Watch service: for catching watchers up from
+	// etcd's history, and for relaying streams that carry an auth token.
+	Upstream pb.WatchClient
+	// ProgressNotifyInterval of periodic progress notifications.
+	ProgressNotifyInterval time.Duration
+	// MaxRequestBytes is the upstream's --max-request-bytes: etcd splits
+	// a fragmenting watcher's responses at that size.
+	MaxRequestBytes int
+	Logger          *zap.Logger
+	Metrics         *Metrics
+}
+
+// Server implements etcdserverpb.WatchServer.
+type Server struct {
+	pb.UnsafeWatchServer
+
+	store    *revtree.Store
+	follower *progress.Follower
+	upstream pb.WatchClient
+	relay    *Relay
+	interval time.Duration
+	maxBytes int
+	lg       *zap.Logger
+	m        *Metrics
+
+	catchups chan struct{} // semaphore of upstream catch-up watches
+
+	closeOnce sync.Once
+	closing   chan struct{}
+}
+
+var _ pb.WatchServer = (*Server)(nil)
+
+// New returns a Watch server.
+func New(cfg Config) *Server {
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	if cfg.ProgressNotifyInterval <= 0 {
+		cfg.ProgressNotifyInterval = DefaultProgressNotifyInterval
+	}
+	if cfg.MaxRequestBytes <= 0 {
+		cfg.MaxRequestBytes = defaultMaxRequestBytes
+	}
+	return &Server{
+		store:    cfg.Store,
+		follower: cfg.Follower,
+		upstream: cfg.Upstream,
+		relay:    NewRelay(cfg.Upstream),
+		interval: cfg.ProgressNotifyInterval,
+		maxBytes: cfg.MaxRequestBytes,
+		lg:       cfg.Logger,
+		m:        cfg.Metrics,
+		catchups: make(chan struct{}, maxCatchups),
+		closing:  make(chan struct{}),
+	}
+}
+
+// Close ends every stream with etcd's "server stopped", which clients
+// retry elsewhere. It lets a graceful stop finish, since watch streams
+// would otherwise last for ever.
+func (s *Server) Close() {
+	s.closeOnce.Do(func() { close(s.closing) })
+}
+
+// Watch serves one client stream.
+func (s *Server) Watch(gs pb.Watch_WatchServer) error {
+	ctx := gs.Context()
+	md, _ := metadata.FromIncomingContext(ctx)
+	if len(md.Get(rpctypes.TokenFieldNameGRPC)) > 0 {
+		// Only etcd can check the caller's permissions.
+		s.m.relayed()
+		return s.relay.Watch(gs)
+	}
+	if !s.follower.IsReady() {
+		return errNotReady
+	}
+	var leaderLost <-chan struct{}
+	if v := md.Get(rpctypes.MetadataRequireLeaderKey); len(v) > 0 && v[0] == rpctypes.MetadataHasLeader {
+		lost, ch := s.follower.LeaderLost()
+		if lost {
+			return rpctypes.ErrGRPCNoLeader
+		}
+		leaderLost = ch
+	}
+	st := newStream(s, gs, leaderLost)
+	s.m.streamOpened()
+	defer s.m.streamClosed()
+	return st.run()
+}
+
+// progressInterval is the periodic progress interval with etcd's jitter of
+// up to a tenth, so that watchers created together do not tick together.
+func (s *Server) progressInterval() time.Duration {
+	return s.interval + time.Duration(rand.Int64N(int64(s.interval)/10+1))
+}

@@ -1,0 +1,415 @@
+package watchproxy
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"math"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/server/v3/storage/mvcc"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree"
+)
+
+// maxRevisionsPerPass bounds the history one pass of a send loop reads: a
+// watcher catching up a long history holds at most that many revisions of
+// events at once, and the loop serves its requests between passes.
+const maxRevisionsPerPass = 256
+
+var errNotReady = status.Error(codes.Unavailable, "etcd-snapcache: the cache is loading; retry")
+
+// ready is always closed: selecting on it never blocks.
+var ready = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+// stream is one client watch stream and the state of its send loop.
+type stream struct {
+	s          *Server
+	gs         pb.Watch_WatchServer
+	ctx        context.Context
+	cancel     context.CancelFunc
+	leaderLost <-chan struct{}
+
+	reqs    chan *pb.WatchRequest // requests, in order, from the receive goroutine
+	recvErr chan error
+
+	// Touched only by the send loop.
+	watchers map[int64]*watcher
+	nextID   int64
+	// progressWanted counts RequestProgress not yet answered; freshRev is
+	// a revision etcd proved current after they arrived (0: not yet).
+	progressWanted int
+	freshRev       int64
+	freshPending   bool
+
+	freshc   chan int64
+	catchupc chan catchupBatch
+	wg       sync.WaitGroup // WaitFresh and catch-up goroutines
+}
+
+func newStream(s *Server, gs pb.Watch_WatchServer, leaderLost <-chan struct{}) *stream {
+	ctx, cancel := context.WithCancel(gs.Context())
+	return &stream{
+		s:          s,
+		gs:         gs,
+		ctx:        ctx,
+		cancel:     cancel,
+		leaderLost: leaderLost,
+		reqs:       make(chan *pb.WatchRequest, 16),
+		recvErr:    make(chan error, 1),
+		watchers:   map[int64]*watcher{},
+		freshc:     make(chan int64, 1),
+		catchupc:   make(chan catchupBatch),
+	}
+}
+
+// run is the send loop. It returns when the client goes away, a send fails,
+// the upstream loses its leader (for streams that require one), or the
+// server closes.
+func (st *stream) run() error {
+	defer st.close()
+	// The receive goroutine ends when the stream's context does, which
+	// gRPC cancels once this handler returns.
+	go st.recvLoop()
+	ticker := time.NewTicker(st.s.progressInterval())
+	defer ticker.Stop()
+	for {
+		changed := st.s.follower.Changed()
+		more, err := st.deliver()
+		if err != nil {
+			return err
+		}
+		if err := st.answerProgress(); err != nil {
+			return err
+		}
+		var proceed <-chan struct{}
+		if more {
+			proceed = ready // more history to send: do not wait
+		}
+		select {
+		case req := <-st.reqs:
+			err = st.handle(req)
+		case err = <-st.recvErr:
+		case rev := <-st.freshc:
+			st.onFresh(rev)
+		case b := <-st.catchupc:
+			err = st.onCatchup(b)
+		case <-ticker.C:
+			err = st.periodicProgress()
+		case <-changed:
+		case <-proceed:
+		case <-st.leaderLost:
+			err = rpctypes.ErrGRPCNoLeader
+		case <-st.s.closing:
+			err = rpctypes.ErrGRPCStopped
+		case <-st.ctx.Done():
+			err = st.ctx.Err()
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+func (st *stream) close() {
+	st.cancel()
+	st.wg.Wait()
+	st.s.m.watchersRemoved(len(st.watchers))
+}
+
+func (st *stream) recvLoop() {
+	for {
+		req, err := st.gs.Recv()
+		if err != nil {
+			if !errors.Is(err, io.EOF) {
+				// A half-close (EOF) is not the end: etcd goes on
+				// sending events until the client goes away.
+				st.recvErr <- err
+			}
+			return
+		}
+		select {
+		case st.reqs <- req:
+		case <-st.ctx.Done():
+			return
+		}
+	}
+}
+
+func (st *stream) header(rev int64) *pb.ResponseHeader {
+	h := &pb.ResponseHeader{Revision: rev}
+	st.s.follower.FillHeader(h)
+	return h
+}
+
+func (st *stream) handle(req *pb.WatchRequest) error {
+	switch r := req.RequestUnion.(type) {
+	case *pb.WatchRequest_CreateRequest:
+		if r.CreateRequest != nil {
+			return st.create(r.CreateRequest)
+		}
+	case *pb.WatchRequest_CancelRequest:
+		if r.CancelRequest != nil {
+			return st.cancelWatch(r.CancelRequest.WatchId)
+		}
+	case *pb.WatchRequest_ProgressRequest:
+		if r.ProgressRequest != nil {
+			st.requestProgress()
+		}
+	default:
+		// etcd ignores a request it does not know rather than ending
+		// the stream.
+	}
+	return nil
+}
+
+// create registers a watcher and answers with its created response, with
+// etcd's answers to a negative start revision, an empty range and a
+// duplicate id (api/v3rpc/watch.go, mvcc/watcher.go).
+func (st *stream) create(cr *pb.WatchCreateRequest) error {
+	rev := st.s.store.Rev()
+	refuse := func(reason string) error {
+		return st.gs.Send(&pb.WatchResponse{Header: st.header(rev), WatchId: clientv3.InvalidWatchID, Created: true, Canceled: true, CancelReason: reason})
+	}
+	key := cr.Key
+	if len(key) == 0 {
+		key = []byte{0} // the smallest key
+	}
+	if cr.StartRevision < 0 {
+		return refuse(rpctypes.ErrCompacted.Error())
+	}
+	end := cr.RangeEnd
+	switch {
+	case len(end) == 0:
+		end = nil // one key
+	case len(end) == 1 && end[0] == 0:
+		end = []byte{} // from key on
+	}
+	if len(end) != 0 && bytes.Compare(key, end) >= 0 {
+		return refuse(mvcc.ErrEmptyWatcherRange.Error())
+	}
+	id := cr.WatchId
+	if id == clientv3.AutoWatchID {
+		for st.watchers[st.nextID] != nil {
+			st.nextID++
+		}
+		id = st.nextID
+		st.nextID++
+	} else if st.watchers[id] != nil {
+		return refuse(mvcc.ErrWatcherDuplicateID.Error())
+	}
+	w := newWatcher(id, cr, key, end)
+	// As etcd: from the current revision + 1 for 0 or a future revision
+	// not yet reached, else from the start revision.
+	w.nextRev = cr.StartRevision
+	if cr.StartRevision == 0 || cr.StartRevision > rev {
+		w.nextRev = max(rev+1, cr.StartRevision)
+	}
+	w.idle = true
+	st.watchers[id] = w
+	st.s.m.watchersAdded(1)
+	return st.gs.Send(&pb.WatchResponse{Header: st.header(rev), WatchId: id, Created: true})
+}
+
+func (st *stream) cancelWatch(id int64) error {
+	w := st.watchers[id]
+	if w == nil {
+		return nil // etcd answers nothing for an unknown id
+	}
+	st.remove(w)
+	return st.gs.Send(&pb.WatchResponse{Header: st.header(st.s.store.Rev()), WatchId: id, Canceled: true})
+}
+
+func (st *stream) remove(w *watcher) {
+	if w.cancelCatchup != nil {
+		w.cancelCatchup()
+	}
+	delete(st.watchers, w.id)
+	st.s.m.watchersRemoved(1)
+}
+
+// cancelCompacted ends a watcher whose next revision etcd has compacted, as
+// etcd does: a canceled response with compact_revision and header revision 0.
+func (st *stream) cancelCompacted(w *watcher, compactRev int64) error {
+	st.remove(w)
+	st.s.m.compacted()
+	return st.gs.Send(&pb.WatchResponse{Header: st.header(0), WatchId: w.id, CompactRevision: compactRev, Canceled: true})
+}
+
+// deliver sends every ready watcher its events from the history, up to the
+// store's revision or one pass's worth; more says a pass was cut short.
+func (st *stream) deliver() (more bool, err error) {
+	rev := st.s.store.Rev()
+	from := int64(math.MaxInt64)
+	for _, w := range st.watchers {
+		if !w.catchingUp && w.nextRev <= rev {
+			from = min(from, w.nextRev)
+		}
+	}
+	if from == math.MaxInt64 {
+		return false, nil
+	}
+	batches, complete, err := st.s.store.EventsFrom(from, rev, maxRevisionsPerPass)
+	if err != nil {
+		// Some watcher is behind the history: settle each on its own.
+		return st.deliverEach(rev)
+	}
+	for _, w := range st.watchers {
+		if !w.catchingUp && w.nextRev <= complete {
+			if err := st.sendEvents(w, batches, complete); err != nil {
+				return false, err
+			}
+		}
+	}
+	return complete < rev, nil
+}
+
+func (st *stream) deliverEach(rev int64) (more bool, err error) {
+	for _, w := range st.watchers {
+		if w.catchingUp || w.nextRev > rev {
+			continue
+		}
+		batches, complete, err := st.s.store.EventsFrom(w.nextRev, rev, maxRevisionsPerPass)
+		switch {
+		case errors.Is(err, revtree.ErrCompacted):
+			err = st.cancelCompacted(w, st.s.store.CompactRev())
+		case errors.Is(err, revtree.ErrNotRetained):
+			st.startCatchup(w)
+		case err == nil:
+			more = more || complete < rev
+			err = st.sendEvents(w, batches, complete)
+		default: // not loaded: wait for the load
+			err = nil
+		}
+		if err != nil {
+			return false, err
+		}
+	}
+	return more, nil
+}
+
+// sendEvents sends w its events of batches from w.nextRev up to complete,
+// and moves it past complete.
+func (st *stream) sendEvents(w *watcher, batches []revtree.Batch, complete int64) error {
+	var evs []*mvccpb.Event
+	for _, b := range batches {
+		if b.Rev >= w.nextRev && b.Rev <= complete {
+			evs = w.matching(evs, b.Events)
+		}
+	}
+	w.nextRev = complete + 1
+	if len(evs) == 0 {
+		return nil
+	}
+	return st.sendWatcherEvents(w, evs, complete)
+}
+
+func (st *stream) sendWatcherEvents(w *watcher, evs []*mvccpb.Event, rev int64) error {
+	w.idle = false
+	st.s.m.sent(len(evs))
+	resp := &pb.WatchResponse{Header: st.header(rev), WatchId: w.id, Events: evs}
+	if w.fragment {
+		return sendFragments(resp, st.s.maxBytes, st.gs.Send)
+	}
+	return st.gs.Send(resp)
+}
+
+// requestProgress records a RequestProgress. etcd answers none on a stream
+// without watchers. Otherwise the answer waits for proof, through the
+// follower's coalesced RequestProgress upstream, that the store holds
+// everything etcd had committed when the request arrived.
+func (st *stream) requestProgress() {
+	if len(st.watchers) == 0 {
+		return
+	}
+	st.progressWanted++
+	if st.freshPending || st.freshRev != 0 {
+		// A proof already requested after an earlier request also
+		// covers this one only if it started after this arrived.
+		if st.freshRev != 0 {
+			st.freshRev = 0
+		}
+		if st.freshPending {
+			return
+		}
+	}
+	st.freshPending = true
+	st.wg.Add(1)
+	go func() {
+		defer st.wg.Done()
+		rev, err := st.s.follower.WaitFresh(st.ctx)
+		if err != nil {
+			rev = 0
+		}
+		select {
+		case st.freshc <- rev:
+		case <-st.ctx.Done():
+		}
+	}()
+}
+
+func (st *stream) onFresh(rev int64) {
+	st.freshPending = false
+	if rev == 0 {
+		// Freshness cannot be proven (etcd unreachable): like a request
+		// etcd cannot answer, it is dropped; clients ask again.
+		st.progressWanted = 0
+		return
+	}
+	st.freshRev = rev
+}
+
+// answerProgress sends the pending progress notifications once freshness is
+// proven and every watcher has been sent everything up to the store's
+// revision, which is what they report.
+func (st *stream) answerProgress() error {
+	if st.progressWanted == 0 || st.freshRev == 0 {
+		return nil
+	}
+	if len(st.watchers) == 0 {
+		st.progressWanted, st.freshRev = 0, 0
+		return nil
+	}
+	rev := st.s.store.Rev()
+	for _, w := range st.watchers {
+		// As etcd, no progress while a watcher starts beyond the head.
+		if w.catchingUp || w.nextRev <= rev || w.startRev > rev {
+			return nil
+		}
+	}
+	for ; st.progressWanted > 0; st.progressWanted-- {
+		if err := st.gs.Send(&pb.WatchResponse{Header: st.header(rev), WatchId: clientv3.InvalidWatchID}); err != nil {
+			return err
+		}
+	}
+	st.freshRev = 0
+	return nil
+}
+
+// periodicProgress is etcd's progress ticker: each progress_notify watcher
+// that was sent no events since the last tick, and is in step with the
+// store, gets a notification of the store's revision.
+func (st *stream) periodicProgress() error {
+	rev := st.s.store.Rev()
+	for _, w := range st.watchers {
+		if !w.progressNotify {
+			continue
+		}
+		if w.idle && !w.catchingUp && w.nextRev > rev && w.startRev <= rev {
+			if err := st.gs.Send(&pb.WatchResponse{Header: st.header(rev), WatchId: w.id}); err != nil {
+				return err
+			}
+		}
+		w.idle = true
+	}
+	return nil
+}

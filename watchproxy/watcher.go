@@ -1,0 +1,121 @@
+package watchproxy
+
+import (
+	"bytes"
+
+	"google.golang.org/protobuf/proto"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/mvccpb"
+)
+
+// watcher is one watch of a stream.
+type watcher struct {
+	id  int64
+	key []byte
+	// end is nil for a single key, empty (non-nil) for "from key on",
+	// else the exclusive end, as etcd's watch stream encodes it.
+	end []byte
+	// startRev is the requested start revision; nextRev the next revision
+	// whose events the watcher has not been sent.
+	startRev, nextRev int64
+
+	prevKV, fragment, progressNotify bool
+	noPut, noDelete                  bool
+
+	// idle is etcd's progress flag: no events sent since the last tick.
+	idle bool
+	// catchingUp is set while etcd's history is relayed to the watcher.
+	catchingUp    bool
+	cancelCatchup func()
+}
+
+func newWatcher(id int64, cr *pb.WatchCreateRequest, key, end []byte) *watcher {
+	w := &watcher{
+		id:             id,
+		key:            key,
+		end:            end,
+		startRev:       cr.StartRevision,
+		prevKV:         cr.PrevKv,
+		fragment:       cr.Fragment,
+		progressNotify: cr.ProgressNotify,
+	}
+	for _, f := range cr.Filters {
+		switch f {
+		case pb.WatchCreateRequest_NOPUT:
+			w.noPut = true
+		case pb.WatchCreateRequest_NODELETE:
+			w.noDelete = true
+		}
+	}
+	return w
+}
+
+func (w *watcher) contains(key []byte) bool {
+	switch {
+	case w.end == nil:
+		return bytes.Equal(key, w.key)
+	case len(w.end) == 0:
+		return bytes.Compare(key, w.key) >= 0
+	default:
+		return bytes.Compare(key, w.key) >= 0 && bytes.Compare(key, w.end) < 0
+	}
+}
+
+// matching appends the events of one revision that the watcher wants, in
+// the form it wants them, to out.
+func (w *watcher) matching(out []*mvccpb.Event, events []*mvccpb.Event) []*mvccpb.Event {
+	for _, ev := range events {
+		if !w.contains(ev.Kv.Key) {
+			continue
+		}
+		if (ev.Type == mvccpb.PUT && w.noPut) || (ev.Type == mvccpb.DELETE && w.noDelete) {
+			continue
+		}
+		if w.prevKV || ev.PrevKv == nil {
+			out = append(out, ev) // shared with the history: never modified
+		} else {
+			out = append(out, &mvccpb.Event{Type: ev.Type, Kv: ev.Kv})
+		}
+	}
+	return out
+}
+
+// sendFragments is etcd's (api/v3rpc/watch.go): a response over the request
+// size limit with more than one event is split into responses of at most
+// that size, all but the last marked fragment.
+func sendFragments(wr *pb.WatchResponse, maxBytes int, send func(*pb.WatchResponse) error) error {
+	if proto.Size(wr) < maxBytes || len(wr.Events) < 2 {
+		return send(wr)
+	}
+	idx := 0
+	for {
+		cur := &pb.WatchResponse{
+			Header:          wr.Header,
+			WatchId:         wr.WatchId,
+			Created:         wr.Created,
+			Canceled:        wr.Canceled,
+			CompactRevision: wr.CompactRevision,
+			CancelReason:    wr.CancelReason,
+			Fragment:        true,
+			Events:          make([]*mvccpb.Event, 0),
+		}
+		for _, ev := range wr.Events[idx:] {
+			cur.Events = append(cur.Events, ev)
+			if len(cur.Events) > 1 && proto.Size(cur) >= maxBytes {
+				cur.Events = cur.Events[:len(cur.Events)-1]
+				break
+			}
+			idx++
+		}
+		if idx == len(wr.Events) {
+			cur.Fragment = false
+		}
+		if err := send(cur); err != nil {
+			return err
+		}
+		if !cur.Fragment {
+			return nil
+		}
+	}
+}
