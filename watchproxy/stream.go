@@ -49,7 +49,8 @@ type stream struct {
 	// a revision etcd proved current after they arrived (0: not yet).
 	progressWanted int
 	freshRev       int64
-	freshPending   bool
+	freshPending   bool // a freshness check is under way
+	freshAgain     bool // a request arrived after it began
 
 	freshc   chan int64
 	catchupc chan catchupBatch
@@ -326,22 +327,22 @@ func (st *stream) sendWatcherEvents(w *watcher, evs []*mvccpb.Event, rev int64) 
 // requestProgress records a RequestProgress. etcd answers none on a stream
 // without watchers. Otherwise the answer waits for proof, through the
 // follower's coalesced RequestProgress upstream, that the store holds
-// everything etcd had committed when the request arrived.
+// everything etcd had committed when the request arrived: a check already
+// under way began earlier, so another one follows it.
 func (st *stream) requestProgress() {
 	if len(st.watchers) == 0 {
 		return
 	}
 	st.progressWanted++
-	if st.freshPending || st.freshRev != 0 {
-		// A proof already requested after an earlier request also
-		// covers this one only if it started after this arrived.
-		if st.freshRev != 0 {
-			st.freshRev = 0
-		}
-		if st.freshPending {
-			return
-		}
+	st.freshRev = 0
+	if st.freshPending {
+		st.freshAgain = true
+		return
 	}
+	st.startFreshCheck()
+}
+
+func (st *stream) startFreshCheck() {
 	st.freshPending = true
 	st.wg.Add(1)
 	go func() {
@@ -359,18 +360,24 @@ func (st *stream) requestProgress() {
 
 func (st *stream) onFresh(rev int64) {
 	st.freshPending = false
-	if rev == 0 {
+	switch {
+	case st.freshAgain:
+		st.freshAgain = false
+		st.startFreshCheck()
+	case rev == 0:
 		// Freshness cannot be proven (etcd unreachable): like a request
 		// etcd cannot answer, it is dropped; clients ask again.
 		st.progressWanted = 0
-		return
+	default:
+		st.freshRev = rev
 	}
-	st.freshRev = rev
 }
 
-// answerProgress sends the pending progress notifications once freshness is
-// proven and every watcher has been sent everything up to the store's
-// revision, which is what they report.
+// answerProgress sends the pending progress notifications once every
+// watcher has been sent everything up to a revision R at least as new as the
+// one etcd proved current after the requests arrived. R is the least
+// position of the stream's watchers, not the store's revision, so that a
+// steady stream of writes cannot keep the answer waiting.
 func (st *stream) answerProgress() error {
 	if st.progressWanted == 0 || st.freshRev == 0 {
 		return nil
@@ -379,10 +386,19 @@ func (st *stream) answerProgress() error {
 		st.progressWanted, st.freshRev = 0, 0
 		return nil
 	}
-	rev := st.s.store.Rev()
+	rev := int64(math.MaxInt64)
 	for _, w := range st.watchers {
-		// As etcd, no progress while a watcher starts beyond the head.
-		if w.catchingUp || w.nextRev <= rev || w.startRev > rev {
+		if w.catchingUp {
+			return nil
+		}
+		rev = min(rev, w.nextRev-1)
+	}
+	if rev < st.freshRev {
+		return nil
+	}
+	for _, w := range st.watchers {
+		// As etcd, no progress while a watcher starts beyond it.
+		if w.startRev > rev {
 			return nil
 		}
 	}
@@ -396,15 +412,14 @@ func (st *stream) answerProgress() error {
 }
 
 // periodicProgress is etcd's progress ticker: each progress_notify watcher
-// that was sent no events since the last tick, and is in step with the
-// store, gets a notification of the store's revision.
+// that was sent no events since the last tick gets a notification of the
+// revision it has been sent everything up to, unless it starts beyond it.
 func (st *stream) periodicProgress() error {
-	rev := st.s.store.Rev()
 	for _, w := range st.watchers {
 		if !w.progressNotify {
 			continue
 		}
-		if w.idle && !w.catchingUp && w.nextRev > rev && w.startRev <= rev {
+		if rev := w.nextRev - 1; w.idle && !w.catchingUp && rev > 0 && w.startRev <= rev {
 			if err := st.gs.Send(&pb.WatchResponse{Header: st.header(rev), WatchId: w.id}); err != nil {
 				return err
 			}
