@@ -263,16 +263,18 @@ func randRange(r *rand.Rand, compactRev, head int64) *pb.RangeRequest {
 
 // expectedSource says where the proxy must answer req from: "cache",
 // "forwarded", "rejected", or "" when this test does not pin it down.
+// Linearizable reads go through a read fence, whose quorum read lets etcd
+// itself refuse a compacted or future revision.
 func expectedSource(req *pb.RangeRequest, compactRev, head int64) string {
 	switch {
 	case req.Revision < 0:
 		return "" // see TestNegativeRevisionLinearizable
-	case req.Revision == 0 && !req.Serializable:
-		return "forwarded"
 	case req.Revision == 0:
 		return "cache"
+	case req.Revision > head && req.Serializable:
+		return "forwarded" // the cache cannot tell it is ahead of etcd
 	case req.Revision > head:
-		return "forwarded"
+		return "rejected"
 	case req.Revision < compactRev:
 		return "rejected"
 	default:

@@ -11,6 +11,9 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -104,11 +107,20 @@ func TestResumeAfterUpstreamBreak(t *testing.T) {
 	if got := c.proxy.Store().Rev(); got != before {
 		t.Fatalf("the cache moved to %d while cut off at %d", got, before)
 	}
-	// While cut off, what the cache holds is still served, equal to etcd's
-	// keys (the header is the cache's revision: it cannot know etcd's).
+	// While cut off, a linearizable read fails, as it would against an
+	// unreachable etcd: the cache cannot prove it fresh.
+	lctx, lcancel := context.WithTimeout(context.Background(), 10*time.Second)
+	_, err := c.proxyKV.Range(lctx, &pb.RangeRequest{Key: []byte{0}, RangeEnd: []byte{0}, Revision: before})
+	lcancel()
+	if status.Code(err) != codes.Unavailable {
+		t.Fatalf("linearizable read while cut off: %v, want Unavailable", err)
+	}
+	// Serializable reads of what the cache holds are still served, equal
+	// to etcd's keys (the header is the cache's revision: it cannot know
+	// etcd's).
 	cache0, _, _ := c.rangeSources(t)
 	for rev := int64(1); rev <= before; rev++ {
-		req := &pb.RangeRequest{Key: []byte{0}, RangeEnd: []byte{0}, Revision: rev}
+		req := &pb.RangeRequest{Key: []byte{0}, RangeEnd: []byte{0}, Revision: rev, Serializable: true}
 		want, err := c.directKV.Range(context.Background(), req)
 		if err != nil {
 			t.Fatal(err)
@@ -128,11 +140,13 @@ func TestResumeAfterUpstreamBreak(t *testing.T) {
 
 	c.relay.Restore()
 	c.waitSynced(t)
-	cache0, fwd0, _ := c.rangeSources(t)
+	cache0, fwd0, rej0 := c.rangeSources(t)
 	n := sweep(t, c, 1, head+1)
-	cache1, fwd1, _ := c.rangeSources(t)
-	if int(cache1-cache0) != n-len(sweepShapes) || fwd1-fwd0 != float64(len(sweepShapes)) {
-		t.Fatalf("after resuming: %v from cache and %v forwarded of %d; want all but the future revision from cache", cache1-cache0, fwd1-fwd0, n)
+	cache1, fwd1, rej1 := c.rangeSources(t)
+	k := len(sweepShapes)
+	if int(cache1-cache0) != n-k || fwd1 != fwd0 || int(rej1-rej0) != k {
+		t.Fatalf("after resuming: %v from cache, %v forwarded, %v refused of %d; want all but the future revision from cache",
+			cache1-cache0, fwd1-fwd0, rej1-rej0, n)
 	}
 	if r := c.proxyMetric(t, mWatchRestarts, nil); r <= restarts0 {
 		t.Fatalf("upstream watch restarts %v, want > %v", r, restarts0)
@@ -191,14 +205,16 @@ func TestReloadAfterCompactionWhileCut(t *testing.T) {
 	if got, want := notRetained1-notRetained0, float64(loadRev-compactRev)*k; got != want {
 		t.Fatalf("%v reads forwarded as not retained, want %v (revisions %d..%d)", got, want, compactRev, loadRev-1)
 	}
-	if got, want := fwd1-fwd0, float64(loadRev-compactRev+1)*k; got != want { // + the future revision
+	if got, want := fwd1-fwd0, float64(loadRev-compactRev)*k; got != want {
 		t.Fatalf("%v reads forwarded, want %v", got, want)
 	}
 	if got, want := cache1-cache0, float64(head-loadRev+1)*k; got != want {
 		t.Fatalf("%v reads served from the cache, want %v", got, want)
 	}
-	if got, want := rej1-rej0, 2*k; got != want {
-		t.Fatalf("%v reads refused as compacted, want %v", got, want)
+	// Two compacted revisions and the future one: etcd's verdicts through
+	// the read fence's quorum read.
+	if got, want := rej1-rej0, 3*k; got != want {
+		t.Fatalf("%v reads refused as compacted or future, want %v", got, want)
 	}
 	// A read below the compaction is refused by both with etcd's error.
 	_, err := c.mustSameRange(t, &pb.RangeRequest{Key: []byte("r/1"), Revision: compactRev - 1})
@@ -226,7 +242,9 @@ func TestRestartForwardsHistory(t *testing.T) {
 	n := sweep(t, c, 1, head+1)
 	cache1, fwd1, rej1 := c.rangeSources(t)
 	k := len(sweepShapes)
-	if int(cache1-cache0) != k || int(fwd1-fwd0) != n-k || rej1 != rej0 {
+	// The head from the cache, the future revision refused with etcd's
+	// verdict, every older one forwarded.
+	if int(cache1-cache0) != k || int(fwd1-fwd0) != n-2*k || int(rej1-rej0) != k {
 		t.Fatalf("after restart: cache %v forwarded %v rejected %v of %d; want only the head from cache", cache1-cache0, fwd1-fwd0, rej1-rej0, n)
 	}
 }
@@ -255,7 +273,8 @@ func TestRestartWithRetainedHistory(t *testing.T) {
 	n := sweep(t, c, compactRev-2, head+1)
 	cache1, fwd1, rej1 := c.rangeSources(t)
 	k := len(sweepShapes)
-	if int(rej1-rej0) != 2*k || int(fwd1-fwd0) != k || int(cache1-cache0) != n-3*k {
+	// Two compacted revisions and the future one refused, nothing forwarded.
+	if int(rej1-rej0) != 3*k || int(fwd1-fwd0) != 0 || int(cache1-cache0) != n-3*k {
 		t.Fatalf("after restart with history: cache %v forwarded %v rejected %v of %d; want all retained revisions from cache",
 			cache1-cache0, fwd1-fwd0, rej1-rej0, n)
 	}

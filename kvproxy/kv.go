@@ -9,7 +9,9 @@ import (
 
 	"github.com/coreos/go-semver/semver"
 	"go.uber.org/zap"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -18,9 +20,17 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
-// DefaultRevisionWait bounds how long a Range at a revision the store has
-// not reached yet waits for it before going to etcd.
+// DefaultRevisionWait bounds how long a serializable Range at a revision the
+// store has not reached yet waits for it before going to etcd.
 const DefaultRevisionWait = time.Second
+
+// DefaultFreshnessTimeout bounds how long a linearizable Range waits for
+// proof that the store is fresh, as kube-apiserver waits for its cache.
+const DefaultFreshnessTimeout = 3 * time.Second
+
+// errNotFresh is returned, with FailUnproven, when freshness was not proven
+// in time.
+var errNotFresh = status.Error(codes.Unavailable, "etcd-snapcache: could not prove the cache fresh in time; retry")
 
 // Config configures a Server.
 type Config struct {
@@ -30,8 +40,16 @@ type Config struct {
 	Upstream pb.KVClient
 	Logger   *zap.Logger
 	Metrics  *Metrics
-	// RevisionWait bounds the wait for a revision ahead of the store.
+	// RevisionWait bounds the wait of a serializable read for a revision
+	// ahead of the store.
 	RevisionWait time.Duration
+	// FreshnessTimeout bounds the wait of a linearizable read for proof
+	// that the store is fresh.
+	FreshnessTimeout time.Duration
+	// FailUnproven makes a linearizable read that could not be proven
+	// fresh in time fail with Unavailable instead of going to etcd: under
+	// overload, falling back multiplies etcd's load (KEP-2340).
+	FailUnproven bool
 }
 
 // Server implements etcdserverpb.KVServer.
@@ -44,6 +62,8 @@ type Server struct {
 	lg       *zap.Logger
 	m        *Metrics
 	wait     time.Duration
+	fresh    time.Duration
+	failFast bool
 
 	optsMu      sync.Mutex
 	optsVersion string
@@ -58,6 +78,9 @@ func New(cfg Config) *Server {
 	if cfg.RevisionWait <= 0 {
 		cfg.RevisionWait = DefaultRevisionWait
 	}
+	if cfg.FreshnessTimeout <= 0 {
+		cfg.FreshnessTimeout = DefaultFreshnessTimeout
+	}
 	return &Server{
 		store:    cfg.Store,
 		follower: cfg.Follower,
@@ -65,6 +88,8 @@ func New(cfg Config) *Server {
 		lg:       cfg.Logger,
 		m:        cfg.Metrics,
 		wait:     cfg.RevisionWait,
+		fresh:    cfg.FreshnessTimeout,
+		failFast: cfg.FailUnproven,
 	}
 }
 
@@ -74,13 +99,8 @@ func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeRespon
 		return nil, err
 	}
 	view, reason, err := s.route(ctx, r)
-	switch {
-	case errors.Is(err, revtree.ErrCompacted):
-		s.m.observe(sourceRejected, "compacted")
-		return nil, rpctypes.ErrGRPCCompacted
-	case err != nil:
-		s.m.observe(sourceForwarded, reason)
-		return s.forwardRange(ctx, r)
+	if err != nil {
+		return s.answerWithout(ctx, r, reason, err)
 	}
 	s.m.observe(sourceCache, reason)
 	resp := view.Range(r, s.rangeOptions())
@@ -88,10 +108,31 @@ func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeRespon
 	return resp, nil
 }
 
+// answerWithout answers a Range the store must not: with etcd's error when
+// the store knows it, else from etcd, or Unavailable when freshness could
+// not be proven and falling back is off.
+func (s *Server) answerWithout(ctx context.Context, r *pb.RangeRequest, reason string, err error) (*pb.RangeResponse, error) {
+	switch {
+	case errors.Is(err, revtree.ErrCompacted):
+		s.m.observe(sourceRejected, reason)
+		return nil, rpctypes.ErrGRPCCompacted
+	case errors.Is(err, revtree.ErrFutureRev):
+		s.m.observe(sourceRejected, reason)
+		return nil, rpctypes.ErrGRPCFutureRev
+	case errors.Is(err, errNotFresh) && s.failFast:
+		s.m.observe(sourceRejected, reason)
+		return nil, errNotFresh
+	case ctx.Err() != nil:
+		return nil, status.FromContextError(ctx.Err()).Err()
+	}
+	s.m.observe(sourceForwarded, reason)
+	return s.forwardRange(ctx, r)
+}
+
 // errForward marks a Range the store must not answer; the reason says why.
 var errForward = errors.New("forward to etcd")
 
-// route picks the snapshot that answers r, or says why etcd must.
+// route picks the snapshot that answers r, or says why the store must not.
 func (s *Server) route(ctx context.Context, r *pb.RangeRequest) (revtree.View, string, error) {
 	switch {
 	case hasAuthToken(ctx):
@@ -99,9 +140,8 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest) (revtree.View, s
 		return revtree.View{}, "auth", errForward
 	case !s.follower.IsReady():
 		return revtree.View{}, "not_ready", errForward
-	case r.Revision <= 0 && !r.Serializable:
-		// etcd reads revision <= 0 as its head, linearizably.
-		return revtree.View{}, "linearizable", errForward
+	case !r.Serializable:
+		return s.routeLinearizable(ctx, r)
 	}
 	reason, need := "historical", r.Revision
 	if r.Revision <= 0 {
@@ -119,7 +159,33 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest) (revtree.View, s
 		}
 		reason = "waited"
 	}
-	view, err := s.store.View(r.Revision)
+	return s.view(r.Revision, reason)
+}
+
+// routeLinearizable serves a linearizable read (etcd reads revision <= 0 as
+// its head) from the store once a read fence proves the store holds every
+// write etcd acknowledged before the read arrived.
+func (s *Server) routeLinearizable(ctx context.Context, r *pb.RangeRequest) (revtree.View, string, error) {
+	fctx, cancel := context.WithTimeout(ctx, s.fresh)
+	_, err := s.follower.Fence(fctx, r.Revision)
+	cancel()
+	switch {
+	case errors.Is(err, progress.ErrCompacted):
+		return revtree.View{}, "compacted", revtree.ErrCompacted
+	case errors.Is(err, progress.ErrFutureRev):
+		return revtree.View{}, "future", revtree.ErrFutureRev
+	case err != nil:
+		reason := "fresh_timeout"
+		if !errors.Is(err, context.DeadlineExceeded) {
+			reason = "fresh_error"
+		}
+		return revtree.View{}, reason, errNotFresh
+	}
+	return s.view(r.Revision, "linearizable")
+}
+
+func (s *Server) view(rev int64, reason string) (revtree.View, string, error) {
+	view, err := s.store.View(rev)
 	switch {
 	case err == nil:
 		return view, reason, nil
@@ -127,7 +193,7 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest) (revtree.View, s
 		return revtree.View{}, "compacted", err
 	case errors.Is(err, revtree.ErrNotRetained):
 		return revtree.View{}, "not_retained", errForward
-	default: // ErrNotLoaded; ErrFutureRev cannot follow the wait
+	default: // ErrNotLoaded; ErrFutureRev cannot follow a wait
 		return revtree.View{}, "not_ready", errForward
 	}
 }

@@ -37,11 +37,18 @@ func (s *Server) RangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServ
 		return s.forwardRangeStream(r, stream)
 	}
 	view, reason, err := s.route(stream.Context(), r)
-	switch {
-	case errors.Is(err, revtree.ErrCompacted):
-		s.m.observe(sourceRejected, "compacted")
-		return rpctypes.ErrGRPCCompacted
-	case err != nil:
+	if err != nil {
+		switch {
+		case errors.Is(err, revtree.ErrCompacted):
+			s.m.observe(sourceRejected, reason)
+			return rpctypes.ErrGRPCCompacted
+		case errors.Is(err, revtree.ErrFutureRev):
+			s.m.observe(sourceRejected, reason)
+			return rpctypes.ErrGRPCFutureRev
+		case errors.Is(err, errNotFresh) && s.failFast:
+			s.m.observe(sourceRejected, reason)
+			return errNotFresh
+		}
 		s.m.observe(sourceForwarded, reason)
 		return s.forwardRangeStream(r, stream)
 	}

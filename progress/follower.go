@@ -73,6 +73,9 @@ type Follower struct {
 
 	compactHint chan int64 // revisions announced in compact_rev_key
 	probeNow    chan struct{}
+
+	probes headProbe    // quorum reads of etcd's head, shared by readers
+	head   atomic.Int64 // the highest head etcd has reported
 }
 
 // New returns a follower; it does nothing until Run.
@@ -102,8 +105,10 @@ func New(cfg Config) *Follower {
 		probeNow:    make(chan struct{}, 1),
 	}
 	f.version.Store("")
+	f.probes.read = f.readHead
 	if f.m != nil {
 		f.m.bindStore(cfg.Store)
+		f.m.bindFollower(f)
 	}
 	return f
 }
@@ -146,6 +151,7 @@ func (f *Follower) ObserveHeader(h *pb.ResponseHeader) {
 	if h == nil || h.ClusterId == 0 {
 		return
 	}
+	f.observeHead(h.Revision)
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.cluster = clusterFields{h.ClusterId, h.MemberId, h.RaftTerm}
@@ -273,6 +279,7 @@ func (f *Follower) load(ctx context.Context, history bool) (int64, error) {
 	}
 	f.ObserveHeader(head.Header)
 	current := head.Header.Revision
+	f.observeHead(current)
 	compactRev, err := f.findCompactRev(ctx, f.store.CompactRev(), current, 0)
 	if err != nil {
 		return 0, err
