@@ -81,9 +81,10 @@ type headProbe struct {
 type probeCall struct {
 	done chan struct{}
 	// minRev is the least revision its readers want (0: only the head).
-	minRev int64
-	head   int64
-	err    error
+	minRev  int64
+	waiters int // readers that joined
+	head    int64
+	err     error
 }
 
 // do returns etcd's head from a probe that started after the call, or the
@@ -103,6 +104,7 @@ func (p *headProbe) do(ctx context.Context, rev int64) (int64, error) {
 		c = p.next
 		c.minRev = minPositive(c.minRev, rev)
 	}
+	c.waiters++
 	p.mu.Unlock()
 
 	select {
@@ -177,4 +179,3 @@ func (f *Follower) observeHead(rev int64) {
 		}
 	}
 }
-
