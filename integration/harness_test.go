@@ -31,6 +31,8 @@ type clusterOptions struct {
 	loadRetainedHistory bool
 	// quiet drops the proxy's logs (benchmarks).
 	quiet bool
+	// configure adjusts the proxy's configuration before it starts.
+	configure func(*server.Config)
 	// maxRequestBytes sets etcd's --max-request-bytes and the proxy's.
 	maxRequestBytes int
 	// progressNotifyInterval sets the proxy's periodic watch progress
@@ -85,6 +87,9 @@ func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 	}
 	if opts.quiet {
 		c.proxyCfg.Logger = nil
+	}
+	if opts.configure != nil {
+		opts.configure(&c.proxyCfg)
 	}
 	c.startProxy(tb)
 	c.direct = newClient(tb, c.etcdAddr)

@@ -68,8 +68,15 @@ type Config struct {
 
 	// BTreeDegree of the key trees (revtree.DefaultDegree if 0).
 	BTreeDegree int
-	// RevisionWait bounds how long a read ahead of the cache waits for it.
+	// RevisionWait bounds how long a serializable read ahead of the cache
+	// waits for it.
 	RevisionWait time.Duration
+	// FreshnessTimeout bounds how long a linearizable read waits for proof
+	// that the cache is fresh (kvproxy.DefaultFreshnessTimeout if 0).
+	FreshnessTimeout time.Duration
+	// FailUnprovenReads fails a linearizable read whose freshness was not
+	// proven in time with Unavailable, instead of sending it to etcd.
+	FailUnprovenReads bool
 	// CompactionProbeInterval is how often etcd's compaction revision is
 	// checked.
 	CompactionProbeInterval time.Duration
@@ -281,12 +288,14 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	gs := grpc.NewServer(opts...)
 	conn := s.client.ActiveConnection()
 	pb.RegisterKVServer(gs, kvproxy.New(kvproxy.Config{
-		Store:        s.store,
-		Follower:     s.follower,
-		Upstream:     pb.NewKVClient(conn),
-		Logger:       s.lg.Named("kv"),
-		Metrics:      kvproxy.NewMetrics(s.registry),
-		RevisionWait: s.cfg.RevisionWait,
+		Store:            s.store,
+		Follower:         s.follower,
+		Upstream:         pb.NewKVClient(conn),
+		Logger:           s.lg.Named("kv"),
+		Metrics:          kvproxy.NewMetrics(s.registry),
+		RevisionWait:     s.cfg.RevisionWait,
+		FreshnessTimeout: s.cfg.FreshnessTimeout,
+		FailUnproven:     s.cfg.FailUnprovenReads,
 	}))
 	s.watch = watchproxy.New(watchproxy.Config{
 		Store:                  s.store,

@@ -58,6 +58,10 @@ func serveCommand() *cli.Command {
 			&cli.IntFlag{Name: "btree-degree", Category: catCache, Value: revtree.DefaultDegree, Usage: "B-tree degree of the snapshot trees (memory per revision vs scan speed)"},
 			&cli.DurationFlag{Name: "revision-wait", Category: catCache, Value: kvproxy.DefaultRevisionWait,
 				Usage: "how long a read at a revision the cache has not reached waits for it before going to etcd"},
+			&cli.DurationFlag{Name: "consistent-read-timeout", Category: catCache, Value: kvproxy.DefaultFreshnessTimeout,
+				Usage: "how long a linearizable read waits for proof that the cache is fresh"},
+			&cli.StringFlag{Name: "consistent-read-fallback", Category: catCache, Value: "forward",
+				Usage: "what a linearizable read does when freshness is not proven in time: 'forward' it to etcd, or 'fail' with Unavailable (under overload, falling back multiplies etcd's load)"},
 			&cli.DurationFlag{Name: "compaction-probe-interval", Category: catCache, Value: 1e9,
 				Usage: "how often to check etcd's compaction revision (finds auto-compaction and compactions by other clients)"},
 			&cli.Int64Flag{Name: "load-page-size", Category: catCache, Value: progress.DefaultLoadPageSize, Usage: "page size of the initial load"},
@@ -77,6 +81,10 @@ func serve(c *cli.Context) error {
 	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 
+	failUnproven, err := parseFallback(c.String("consistent-read-fallback"))
+	if err != nil {
+		return err
+	}
 	endpoints := c.StringSlice("endpoints")
 	if len(endpoints) == 0 {
 		e, err := server.StartEmbedded(server.EmbeddedConfig{
@@ -111,6 +119,8 @@ func serve(c *cli.Context) error {
 		DialTimeout:                 c.Duration("dial-timeout"),
 		BTreeDegree:                 c.Int("btree-degree"),
 		RevisionWait:                c.Duration("revision-wait"),
+		FreshnessTimeout:            c.Duration("consistent-read-timeout"),
+		FailUnprovenReads:           failUnproven,
 		CompactionProbeInterval:     c.Duration("compaction-probe-interval"),
 		LoadRetainedHistory:         c.Bool("load-retained-history"),
 		LoadPageSize:                c.Int64("load-page-size"),
@@ -130,6 +140,16 @@ func serve(c *cli.Context) error {
 		srv.Stop()
 		return err
 	}
+}
+
+func parseFallback(v string) (fail bool, err error) {
+	switch v {
+	case "forward":
+		return false, nil
+	case "fail":
+		return true, nil
+	}
+	return false, fmt.Errorf("--consistent-read-fallback: %q: want forward or fail", v)
 }
 
 func newLogger(level string) (*zap.Logger, error) {
