@@ -46,6 +46,9 @@ type Config struct {
 	// FreshnessTimeout bounds the wait of a linearizable read for proof
 	// that the store is fresh.
 	FreshnessTimeout time.Duration
+	// Fallback, if set, reports that every read must go to etcd (the
+	// consistency checker found the store inconsistent).
+	Fallback func() bool
 	// FailUnproven makes a linearizable read that could not be proven
 	// fresh in time fail with Unavailable instead of going to etcd: under
 	// overload, falling back multiplies etcd's load (KEP-2340).
@@ -64,6 +67,7 @@ type Server struct {
 	wait     time.Duration
 	fresh    time.Duration
 	failFast bool
+	fallback func() bool
 
 	optsMu      sync.Mutex
 	optsVersion string
@@ -90,6 +94,7 @@ func New(cfg Config) *Server {
 		wait:     cfg.RevisionWait,
 		fresh:    cfg.FreshnessTimeout,
 		failFast: cfg.FailUnproven,
+		fallback: cfg.Fallback,
 	}
 }
 
@@ -140,6 +145,8 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest) (revtree.View, s
 		return revtree.View{}, "auth", errForward
 	case !s.follower.IsReady():
 		return revtree.View{}, "not_ready", errForward
+	case s.fallback != nil && s.fallback():
+		return revtree.View{}, "inconsistent", errForward
 	case !r.Serializable:
 		return s.routeLinearizable(ctx, r)
 	}

@@ -74,6 +74,10 @@ type Follower struct {
 	compactHint chan int64 // revisions announced in compact_rev_key
 	probeNow    chan struct{}
 
+	reloadReason string             // a reload asked for by Reload, not yet begun
+	cancelFollow context.CancelFunc // ends the current upstream watch
+	loads        atomic.Int64       // loads completed
+
 	probes headProbe    // quorum reads of etcd's head, shared by readers
 	head   atomic.Int64 // the highest head etcd has reported
 }
@@ -169,6 +173,20 @@ func (f *Follower) ObserveCompaction(rev int64, source string) {
 		f.m.compactions.WithLabelValues(source).Inc()
 	}
 }
+
+// Reload makes the follower drop the store and load the keyspace from etcd
+// again, as after an unresumable watch; reason labels the reload metric.
+func (f *Follower) Reload(reason string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.reloadReason = reason
+	if f.cancelFollow != nil {
+		f.cancelFollow()
+	}
+}
+
+// Loads returns the number of loads of the keyspace completed so far.
+func (f *Follower) Loads() int64 { return f.loads.Load() }
 
 // Changed returns a channel that is closed the next time the store advances
 // (events applied, a progress notification, a load) or is reset.
@@ -293,6 +311,7 @@ func (f *Follower) load(ctx context.Context, history bool) (int64, error) {
 		return 0, err
 	}
 	f.store.Reset(loadRev, kvs, compactRev)
+	f.loads.Add(1) // before waking waiters, which may be waiting for it
 	f.notifyChanged()
 	f.lg.Info("loaded the keyspace from etcd",
 		zap.Int64("revision", loadRev),
@@ -335,6 +354,19 @@ func (f *Follower) rangeAll(ctx context.Context, rev int64) ([]*mvccpb.KeyValue,
 func (f *Follower) follow(ctx context.Context, bo *backoff) error {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
+	f.mu.Lock()
+	if reason := f.reloadReason; reason != "" {
+		f.reloadReason = ""
+		f.mu.Unlock()
+		return &reloadError{reason: reason, err: errors.New("reload requested")}
+	}
+	f.cancelFollow = cancel
+	f.mu.Unlock()
+	defer func() {
+		f.mu.Lock()
+		f.cancelFollow = nil
+		f.mu.Unlock()
+	}()
 	defer f.following.Store(false)
 	stream, err := f.wc.Watch(wctx)
 	if err != nil {
@@ -369,6 +401,15 @@ func (f *Follower) follow(ctx context.Context, bo *backoff) error {
 
 	for {
 		resp, err := stream.Recv()
+		if err != nil && wctx.Err() != nil && ctx.Err() == nil {
+			f.mu.Lock()
+			reason := f.reloadReason
+			f.reloadReason = ""
+			f.mu.Unlock()
+			if reason != "" {
+				return &reloadError{reason: reason, err: errors.New("reload requested")}
+			}
+		}
 		if err != nil {
 			if errors.Is(err, io.EOF) {
 				err = io.ErrUnexpectedEOF

@@ -26,6 +26,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/proxy/grpcproxy"
 
+	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
@@ -74,6 +75,9 @@ type Config struct {
 	// FreshnessTimeout bounds how long a linearizable read waits for proof
 	// that the cache is fresh (kvproxy.DefaultFreshnessTimeout if 0).
 	FreshnessTimeout time.Duration
+	// ConsistencyCheckInterval is how often the cache is checked against
+	// etcd (hashcheck.DefaultInterval if 0; negative disables).
+	ConsistencyCheckInterval time.Duration
 	// FailUnprovenReads fails a linearizable read whose freshness was not
 	// proven in time with Unavailable, instead of sending it to etcd.
 	FailUnprovenReads bool
@@ -109,6 +113,7 @@ type Server struct {
 	httpServer *http.Server
 	httpLis    net.Listener
 	health     *health.Server
+	checker    *hashcheck.Checker
 	keepAlives *keepAlives
 	watch      *watchproxy.Server
 
@@ -153,6 +158,15 @@ func Start(cfg Config) (*Server, error) {
 		LoadRetainedHistory:     cfg.LoadRetainedHistory,
 	})
 
+	s.checker = hashcheck.New(hashcheck.Config{
+		Store:      s.store,
+		Follower:   s.follower,
+		Upstream:   pb.NewKVClient(client.ActiveConnection()),
+		Interval:   cfg.ConsistencyCheckInterval,
+		Logger:     s.lg.Named("hashcheck"),
+		Registerer: s.registry,
+	})
+
 	if err := s.listen(); err != nil {
 		client.Close()
 		return nil, err
@@ -171,6 +185,13 @@ func Start(cfg Config) (*Server, error) {
 		defer s.wg.Done()
 		s.keepAlives.run()
 	}()
+	if cfg.ConsistencyCheckInterval >= 0 {
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.checker.Run(ctx)
+		}()
+	}
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
@@ -296,6 +317,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		RevisionWait:     s.cfg.RevisionWait,
 		FreshnessTimeout: s.cfg.FreshnessTimeout,
 		FailUnproven:     s.cfg.FailUnprovenReads,
+		Fallback:         s.checker.Fallback,
 	}))
 	s.watch = watchproxy.New(watchproxy.Config{
 		Store:                  s.store,
@@ -303,6 +325,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		Upstream:               pb.NewWatchClient(conn),
 		ProgressNotifyInterval: s.cfg.WatchProgressNotifyInterval,
 		MaxRequestBytes:        s.cfg.MaxRequestBytes,
+		Fallback:               s.checker.Fallback,
 		Logger:                 s.lg.Named("watch"),
 		Metrics:                watchproxy.NewMetrics(s.registry),
 	})
@@ -355,6 +378,9 @@ func (s *Server) Follower() *progress.Follower { return s.follower }
 
 // Ready is closed once the cache has loaded etcd's keyspace.
 func (s *Server) Ready() <-chan struct{} { return s.follower.Ready() }
+
+// Checker is the consistency checker.
+func (s *Server) Checker() *hashcheck.Checker { return s.checker }
 
 // Registry holds the server's metrics.
 func (s *Server) Registry() *prometheus.Registry { return s.registry }

@@ -39,8 +39,11 @@ type Config struct {
 	// MaxRequestBytes is the upstream's --max-request-bytes: etcd splits
 	// a fragmenting watcher's responses at that size.
 	MaxRequestBytes int
-	Logger          *zap.Logger
-	Metrics         *Metrics
+	// Fallback, if set, reports that new streams must be relayed to etcd
+	// (the consistency checker found the store inconsistent).
+	Fallback func() bool
+	Logger   *zap.Logger
+	Metrics  *Metrics
 }
 
 // Server implements etcdserverpb.WatchServer.
@@ -51,6 +54,7 @@ type Server struct {
 	follower *progress.Follower
 	upstream pb.WatchClient
 	relay    *Relay
+	fallback func() bool
 	interval time.Duration
 	maxBytes int
 	lg       *zap.Logger
@@ -80,6 +84,7 @@ func New(cfg Config) *Server {
 		follower: cfg.Follower,
 		upstream: cfg.Upstream,
 		relay:    NewRelay(cfg.Upstream),
+		fallback: cfg.Fallback,
 		interval: cfg.ProgressNotifyInterval,
 		maxBytes: cfg.MaxRequestBytes,
 		lg:       cfg.Logger,
@@ -100,8 +105,9 @@ func (s *Server) Close() {
 func (s *Server) Watch(gs pb.Watch_WatchServer) error {
 	ctx := gs.Context()
 	md, _ := metadata.FromIncomingContext(ctx)
-	if len(md.Get(rpctypes.TokenFieldNameGRPC)) > 0 {
-		// Only etcd can check the caller's permissions.
+	if len(md.Get(rpctypes.TokenFieldNameGRPC)) > 0 || (s.fallback != nil && s.fallback()) {
+		// Only etcd can check the caller's permissions; and while the
+		// store is found inconsistent, etcd answers.
 		s.m.relayed()
 		return s.relay.Watch(gs)
 	}

@@ -5,12 +5,14 @@ import (
 	"fmt"
 	"os/signal"
 	"syscall"
+	"time"
 
 	"github.com/urfave/cli/v2"
 	"go.uber.org/zap"
 
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 
+	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
@@ -62,6 +64,8 @@ func serveCommand() *cli.Command {
 				Usage: "how long a linearizable read waits for proof that the cache is fresh"},
 			&cli.StringFlag{Name: "consistent-read-fallback", Category: catCache, Value: "forward",
 				Usage: "what a linearizable read does when freshness is not proven in time: 'forward' it to etcd, or 'fail' with Unavailable (under overload, falling back multiplies etcd's load)"},
+			&cli.DurationFlag{Name: "consistency-check-interval", Category: catCache, Value: hashcheck.DefaultInterval,
+				Usage: "how often to compare a hash of the cache with etcd's at one revision; on a mismatch reads go to etcd until the reloaded cache passes (0 disables)"},
 			&cli.DurationFlag{Name: "compaction-probe-interval", Category: catCache, Value: 1e9,
 				Usage: "how often to check etcd's compaction revision (finds auto-compaction and compactions by other clients)"},
 			&cli.Int64Flag{Name: "load-page-size", Category: catCache, Value: progress.DefaultLoadPageSize, Usage: "page size of the initial load"},
@@ -121,6 +125,7 @@ func serve(c *cli.Context) error {
 		RevisionWait:                c.Duration("revision-wait"),
 		FreshnessTimeout:            c.Duration("consistent-read-timeout"),
 		FailUnprovenReads:           failUnproven,
+		ConsistencyCheckInterval:    checkInterval(c.Duration("consistency-check-interval")),
 		CompactionProbeInterval:     c.Duration("compaction-probe-interval"),
 		LoadRetainedHistory:         c.Bool("load-retained-history"),
 		LoadPageSize:                c.Int64("load-page-size"),
@@ -140,6 +145,14 @@ func serve(c *cli.Context) error {
 		srv.Stop()
 		return err
 	}
+}
+
+// checkInterval maps the flag's 0 (disabled) to the server's negative.
+func checkInterval(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
 }
 
 func parseFallback(v string) (fail bool, err error) {

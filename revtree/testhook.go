@@ -1,0 +1,19 @@
+package revtree
+
+import "go.etcd.io/etcd/api/v3/mvccpb"
+
+// CorruptForTest replaces the key-value of kv.Key at the store's newest
+// snapshot and in every later one with kv, without an event: it makes the
+// store disagree with etcd. It exists only so that tests can prove the
+// consistency checker detects and repairs such a divergence; nothing else
+// may call it.
+func (s *Store) CorruptForTest(kv *mvccpb.KeyValue) {
+	s.writeMu.Lock()
+	defer s.writeMu.Unlock()
+	s.latest.ReplaceOrInsert(kv)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if newest, ok := s.snapshots.Max(); ok {
+		s.snapshots.ReplaceOrInsert(&snapshot{rev: newest.rev, kvs: s.latest.Clone(), events: newest.events})
+	}
+}
