@@ -110,9 +110,10 @@ func (st *stream) catchup(ctx context.Context, id int64, create *pb.WatchCreateR
 			close(created)
 			continue
 		}
-		// After any etcd watch response the watcher holds every event up
-		// to its header revision (a progress notification, or a batch).
-		done := resp.Header.Revision >= until-1
+		// Only a progress notification promises every event up to its
+		// header revision: etcd heads each batch of an unsynced watcher
+		// (at most 1000 revisions) with its current revision.
+		done := len(resp.Events) == 0 && resp.Header.Revision >= until-1
 		var evs []*mvccpb.Event
 		for _, ev := range resp.Events {
 			if ev.Kv.ModRevision >= until {
