@@ -285,6 +285,7 @@ func (st *stream) deliverEach(rev int64) (more bool, err error) {
 			err = st.cancelCompacted(w, st.s.store.CompactRev())
 		case errors.Is(err, revtree.ErrNotRetained):
 			st.startCatchup(w)
+			err = nil
 		case err == nil:
 			more = more || complete < rev
 			err = st.sendEvents(w, batches, complete)
