@@ -28,6 +28,22 @@ const DefaultRevisionWait = time.Second
 // proof that the store is fresh, as kube-apiserver waits for its cache.
 const DefaultFreshnessTimeout = 3 * time.Second
 
+// SmallReadLimit is the largest limit of a read forwarded to etcd while the
+// cache loads: GETs, kube-apiserver's revision probe (limit 1), health checks.
+const SmallReadLimit = 100
+
+// DefaultMaxForwardedReads bounds the reads in flight to etcd at once.
+const DefaultMaxForwardedReads = 128
+
+// maxForwardQueueWait bounds how long a read waits for a forwarding slot
+// when its own context has no deadline.
+const maxForwardQueueWait = 5 * time.Second
+
+var (
+	errLoading  = status.Error(codes.Unavailable, "etcd-snapcache: the cache is loading; only small reads are forwarded meanwhile; retry")
+	errOverload = status.Error(codes.Unavailable, "etcd-snapcache: too many reads forwarded to etcd; retry")
+)
+
 // errNotFresh is returned, with FailUnproven, when freshness was not proven
 // in time.
 var errNotFresh = status.Error(codes.Unavailable, "etcd-snapcache: could not prove the cache fresh in time; retry")
@@ -46,6 +62,10 @@ type Config struct {
 	// FreshnessTimeout bounds the wait of a linearizable read for proof
 	// that the store is fresh.
 	FreshnessTimeout time.Duration
+	// MaxForwardedReads bounds the Ranges in flight to etcd at once
+	// (DefaultMaxForwardedReads if 0), so that a reload cannot turn into a
+	// storm of forwarded reads.
+	MaxForwardedReads int
 	// Fallback, if set, reports that every read must go to etcd (the
 	// consistency checker found the store inconsistent).
 	Fallback func() bool
@@ -68,6 +88,7 @@ type Server struct {
 	fresh    time.Duration
 	failFast bool
 	fallback func() bool
+	forwards chan struct{} // semaphore of reads in flight to etcd
 
 	optsMu      sync.Mutex
 	optsVersion string
@@ -82,6 +103,9 @@ func New(cfg Config) *Server {
 	if cfg.RevisionWait <= 0 {
 		cfg.RevisionWait = DefaultRevisionWait
 	}
+	if cfg.MaxForwardedReads <= 0 {
+		cfg.MaxForwardedReads = DefaultMaxForwardedReads
+	}
 	if cfg.FreshnessTimeout <= 0 {
 		cfg.FreshnessTimeout = DefaultFreshnessTimeout
 	}
@@ -95,6 +119,7 @@ func New(cfg Config) *Server {
 		fresh:    cfg.FreshnessTimeout,
 		failFast: cfg.FailUnproven,
 		fallback: cfg.Fallback,
+		forwards: make(chan struct{}, cfg.MaxForwardedReads),
 	}
 }
 
@@ -127,6 +152,9 @@ func (s *Server) answerWithout(ctx context.Context, r *pb.RangeRequest, reason s
 	case errors.Is(err, errNotFresh) && s.failFast:
 		s.m.observe(sourceRejected, reason)
 		return nil, errNotFresh
+	case errors.Is(err, errLoading):
+		s.m.observe(sourceRejected, reason)
+		return nil, errLoading
 	case ctx.Err() != nil:
 		return nil, status.FromContextError(ctx.Err()).Err()
 	}
@@ -143,8 +171,13 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest) (revtree.View, s
 	case hasAuthToken(ctx):
 		// The store cannot check the caller's permissions; etcd can.
 		return revtree.View{}, "auth", errForward
-	case !s.follower.IsReady():
-		return revtree.View{}, "not_ready", errForward
+	case s.follower.Loading() || !s.follower.IsReady():
+		// KEP-4568: delegate what etcd answers cheaply, refuse the rest
+		// rather than hang or flood etcd.
+		if isSmall(r) {
+			return revtree.View{}, "loading", errForward
+		}
+		return revtree.View{}, "loading", errLoading
 	case s.fallback != nil && s.fallback():
 		return revtree.View{}, "inconsistent", errForward
 	case !r.Serializable:
@@ -206,11 +239,44 @@ func (s *Server) view(rev int64, reason string) (revtree.View, string, error) {
 }
 
 func (s *Server) forwardRange(ctx context.Context, r *pb.RangeRequest) (*pb.RangeResponse, error) {
+	release, err := s.acquireForward(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	resp, err := s.upstream.Range(ctx, r)
 	if err == nil {
 		s.follower.ObserveHeader(resp.Header)
 	}
 	return resp, err
+}
+
+// acquireForward takes one of the slots of reads in flight to etcd, waiting
+// for one up to the read's deadline (or maxForwardQueueWait).
+func (s *Server) acquireForward(ctx context.Context) (func(), error) {
+	select {
+	case s.forwards <- struct{}{}:
+		return func() { <-s.forwards }, nil
+	default:
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, maxForwardQueueWait)
+		defer cancel()
+	}
+	select {
+	case s.forwards <- struct{}{}:
+		return func() { <-s.forwards }, nil
+	case <-ctx.Done():
+		s.m.observe(sourceRejected, "overload")
+		return nil, errOverload
+	}
+}
+
+// isSmall reports whether etcd answers r cheaply: one key, a small limit,
+// or a count.
+func isSmall(r *pb.RangeRequest) bool {
+	return len(r.RangeEnd) == 0 || r.CountOnly || (r.Limit > 0 && r.Limit <= SmallReadLimit)
 }
 
 // rangeOptions follows the upstream's release: etcd 3.7 drops the lease

@@ -48,6 +48,9 @@ func (s *Server) RangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServ
 		case errors.Is(err, errNotFresh) && s.failFast:
 			s.m.observe(sourceRejected, reason)
 			return errNotFresh
+		case errors.Is(err, errLoading):
+			s.m.observe(sourceRejected, reason)
+			return errLoading
 		}
 		s.m.observe(sourceForwarded, reason)
 		return s.forwardRangeStream(r, stream)
@@ -115,6 +118,11 @@ func adjustChunkLimit(lastLimit int64, lastSize, targetSize int) int64 {
 }
 
 func (s *Server) forwardRangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServer[pb.RangeStreamResponse]) error {
+	release, err := s.acquireForward(stream.Context())
+	if err != nil {
+		return err
+	}
+	defer release()
 	up, err := s.upstream.RangeStream(stream.Context(), r)
 	if err != nil {
 		return err

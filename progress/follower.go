@@ -42,6 +42,9 @@ type Config struct {
 	// CompactionProbeInterval is how often etcd's compaction revision is
 	// checked (one count-only single-key Range); 0 means one second.
 	CompactionProbeInterval time.Duration
+	// BeforeLoadPage, if set, is called before each page of a load. Only
+	// tests set it, to hold a load in progress.
+	BeforeLoadPage func()
 	// LoadRetainedHistory makes the first load start at etcd's compaction
 	// revision and replay all of etcd's retained history into snapshots, so
 	// historical reads are served from memory after a proxy restart.
@@ -63,6 +66,7 @@ type Follower struct {
 	leader    leaderState
 	readyOnce sync.Once
 	following atomic.Bool  // the upstream watch is established
+	loading   atomic.Bool  // a load or reload is under way
 	version   atomic.Value // string: upstream etcd version
 
 	mu       sync.Mutex
@@ -110,6 +114,7 @@ func New(cfg Config) *Follower {
 	}
 	f.version.Store("")
 	f.probes.read = f.readHead
+	f.loading.Store(true)
 	if f.m != nil {
 		f.m.bindStore(cfg.Store)
 		f.m.bindFollower(f)
@@ -130,6 +135,10 @@ func (f *Follower) IsReady() bool {
 		return false
 	}
 }
+
+// Loading reports whether the store is being loaded or reloaded from etcd,
+// and so cannot answer for etcd's current state.
+func (f *Follower) Loading() bool { return f.loading.Load() }
 
 // Following reports whether the upstream watch is currently established.
 func (f *Follower) Following() bool { return f.following.Load() }
@@ -228,6 +237,7 @@ func (f *Follower) Run(ctx context.Context) error {
 			}
 			firstLoad = false
 			needLoad = false
+			f.loading.Store(false)
 			f.readyAt(target)
 		}
 		err := f.follow(ctx, bo)
@@ -240,6 +250,7 @@ func (f *Follower) Run(ctx context.Context) error {
 			if f.m != nil {
 				f.m.reloads.WithLabelValues(reload.reason).Inc()
 			}
+			f.loading.Store(true)
 			needLoad = true
 			continue
 		}
@@ -330,6 +341,9 @@ func (f *Follower) rangeAll(ctx context.Context, rev int64) ([]*mvccpb.KeyValue,
 	var kvs []*mvccpb.KeyValue
 	key := wholeKey
 	for {
+		if f.cfg.BeforeLoadPage != nil {
+			f.cfg.BeforeLoadPage()
+		}
 		resp, err := f.kv.Range(ctx, &pb.RangeRequest{
 			Key:      key,
 			RangeEnd: wholeRangeEnd,

@@ -75,6 +75,10 @@ type Config struct {
 	// FreshnessTimeout bounds how long a linearizable read waits for proof
 	// that the cache is fresh (kvproxy.DefaultFreshnessTimeout if 0).
 	FreshnessTimeout time.Duration
+	// MaxForwardedReads bounds the reads in flight to etcd at once.
+	MaxForwardedReads int
+	// BeforeLoadPage is called before each page of a load; tests only.
+	BeforeLoadPage func()
 	// ConsistencyCheckInterval is how often the cache is checked against
 	// etcd (hashcheck.DefaultInterval if 0; negative disables).
 	ConsistencyCheckInterval time.Duration
@@ -156,6 +160,7 @@ func Start(cfg Config) (*Server, error) {
 		LoadPageSize:            cfg.LoadPageSize,
 		CompactionProbeInterval: cfg.CompactionProbeInterval,
 		LoadRetainedHistory:     cfg.LoadRetainedHistory,
+		BeforeLoadPage:          cfg.BeforeLoadPage,
 	})
 
 	s.checker = hashcheck.New(hashcheck.Config{
@@ -215,7 +220,7 @@ func Start(cfg Config) (*Server, error) {
 	}()
 	if s.httpLis != nil {
 		s.httpServer = &http.Server{
-			Handler:           newHTTPHandler(s.registry, s.follower.IsReady),
+			Handler:           newHTTPHandler(s.registry, func() bool { return s.follower.IsReady() && !s.follower.Loading() }),
 			ReadHeaderTimeout: 10 * time.Second,
 		}
 		s.wg.Add(1)
@@ -309,15 +314,16 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	gs := grpc.NewServer(opts...)
 	conn := s.client.ActiveConnection()
 	pb.RegisterKVServer(gs, kvproxy.New(kvproxy.Config{
-		Store:            s.store,
-		Follower:         s.follower,
-		Upstream:         pb.NewKVClient(conn),
-		Logger:           s.lg.Named("kv"),
-		Metrics:          kvproxy.NewMetrics(s.registry),
-		RevisionWait:     s.cfg.RevisionWait,
-		FreshnessTimeout: s.cfg.FreshnessTimeout,
-		FailUnproven:     s.cfg.FailUnprovenReads,
-		Fallback:         s.checker.Fallback,
+		Store:             s.store,
+		Follower:          s.follower,
+		Upstream:          pb.NewKVClient(conn),
+		Logger:            s.lg.Named("kv"),
+		Metrics:           kvproxy.NewMetrics(s.registry),
+		RevisionWait:      s.cfg.RevisionWait,
+		FreshnessTimeout:  s.cfg.FreshnessTimeout,
+		FailUnproven:      s.cfg.FailUnprovenReads,
+		MaxForwardedReads: s.cfg.MaxForwardedReads,
+		Fallback:          s.checker.Fallback,
 	}))
 	s.watch = watchproxy.New(watchproxy.Config{
 		Store:                  s.store,

@@ -111,7 +111,7 @@ func (s *Server) Watch(gs pb.Watch_WatchServer) error {
 		s.m.relayed()
 		return s.relay.Watch(gs)
 	}
-	if !s.follower.IsReady() {
+	if !s.follower.IsReady() || s.follower.Loading() {
 		return errNotReady
 	}
 	var leaderLost <-chan struct{}
