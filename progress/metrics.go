@@ -76,5 +76,7 @@ func (m *Metrics) bindStore(s *revtree.Store) {
 			func() float64 { return float64(s.OldestRev()) }),
 		gauge("etcd_snapcache_snapshots_retained", "Snapshots (revisions) retained in memory.",
 			func() float64 { return float64(s.Snapshots()) }),
+		gauge("etcd_snapcache_cache_bytes", "Estimated memory of the cache: the keyspace plus what each retained revision adds.",
+			func() float64 { return float64(s.ApproxBytes()) }),
 	)
 }

@@ -46,6 +46,9 @@ type Store struct {
 	rev        int64                    // store is complete up to rev
 	compactRev int64
 	loaded     bool
+	// liveBytes estimates the keyspace at the newest snapshot;
+	// historyBytes what the retained snapshots add to it.
+	liveBytes, historyBytes int64
 
 	flat flatRanges // pages of recent paginated reads
 }
@@ -55,6 +58,26 @@ type snapshot struct {
 	rev    int64
 	kvs    *btree.BTreeG[*mvccpb.KeyValue]
 	events []*mvccpb.Event // nil for the snapshot of a load
+	bytes  int64           // estimated memory this revision added
+}
+
+// kvOverhead estimates a KeyValue's memory beyond its key and value bytes:
+// the struct and its protobuf state.
+const kvOverhead = 128
+
+func kvBytes(kv *mvccpb.KeyValue) int64 {
+	return int64(len(kv.Key)+len(kv.Value)) + kvOverhead
+}
+
+// pathBytes estimates the nodes a write copies in a tree of n items: one
+// root-to-leaf path of nodes of items and child pointers.
+func pathBytes(n, degree int) int64 {
+	depth := 1
+	for c := 2 * degree; c < n; c *= degree {
+		depth++
+	}
+	node := int64((2*degree-1)*8 + 2*degree*8 + 64)
+	return int64(depth) * node
 }
 
 func kvLess(a, b *mvccpb.KeyValue) bool { return bytes.Compare(a.Key, b.Key) < 0 }
@@ -81,8 +104,10 @@ func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
 	latest := btree.NewG(s.degree, kvLess)
+	var live int64
 	for _, kv := range kvs {
 		latest.ReplaceOrInsert(kv)
+		live += kvBytes(kv)
 	}
 	s.latest = latest
 	snaps := btree.NewG(32, snapshotLess)
@@ -94,6 +119,7 @@ func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
 	s.rev = rev
 	s.compactRev = max(s.compactRev, compactRev)
 	s.loaded = true
+	s.liveBytes, s.historyBytes = live, 0
 }
 
 // Apply applies the events of exactly one revision, rev, which must be
@@ -108,22 +134,31 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 	if err := s.checkEvents(rev, events); err != nil {
 		return nil, err
 	}
+	var live, added int64
 	for _, ev := range events {
 		prev, _ := s.latest.Get(ev.Kv)
 		ev.PrevKv = prev
+		if prev != nil {
+			live -= kvBytes(prev)
+		}
 		switch ev.Type {
 		case mvccpb.PUT:
 			s.latest.ReplaceOrInsert(ev.Kv)
+			live += kvBytes(ev.Kv)
+			added += kvBytes(ev.Kv)
 		case mvccpb.DELETE:
 			s.latest.Delete(ev.Kv)
 		}
+		added += pathBytes(s.latest.Len(), s.degree) + 64 // the event
 	}
-	snap := &snapshot{rev: rev, kvs: s.latest.Clone(), events: events}
+	snap := &snapshot{rev: rev, kvs: s.latest.Clone(), events: events, bytes: added}
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.snapshots.ReplaceOrInsert(snap)
 	s.rev = rev
+	s.liveBytes += live
+	s.historyBytes += added
 	return events, nil
 }
 
@@ -210,6 +245,7 @@ func (s *Store) Compact(rev int64) {
 			return
 		}
 		s.snapshots.DeleteMin()
+		s.historyBytes -= oldest.bytes
 	}
 }
 
@@ -254,6 +290,15 @@ func (s *Store) OldestRev() int64 {
 		return oldest.rev
 	}
 	return 0
+}
+
+// ApproxBytes estimates the memory of the store: the keyspace at its newest
+// revision plus what each retained revision adds (its new KeyValues, the
+// tree nodes its write copied, its events).
+func (s *Store) ApproxBytes() int64 {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.liveBytes + s.historyBytes
 }
 
 // Snapshots returns the number of retained snapshots.
