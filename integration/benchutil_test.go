@@ -17,6 +17,8 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
@@ -211,7 +213,7 @@ type benchResult struct {
 // reports cpu-ms/op, the CPU the whole process (client, proxy and etcd)
 // spent per op: it moves much less than throughput when other processes
 // compete for the machine's CPUs (by ~15% rather than by 2x).
-func runThroughput(b *testing.B, bytesPerOp int64, op func(ctx context.Context) error) benchResult {
+func runThroughput(b *testing.B, clients int, bytesPerOp int64, op func(ctx context.Context) error) benchResult {
 	b.Helper()
 	b.ReportAllocs()
 	if bytesPerOp > 0 {
@@ -222,7 +224,7 @@ func runThroughput(b *testing.B, bytesPerOp int64, op func(ctx context.Context) 
 	var wg sync.WaitGroup
 	b.ResetTimer()
 	cpu0, cpuOK := processCPU()
-	for range *benchClients {
+	for range clients {
 		wg.Go(func() {
 			for next.Add(1) <= int64(b.N) {
 				if err := op(ctx); err != nil {
@@ -281,13 +283,30 @@ func processCPU() (d time.Duration, ok bool) {
 // and every proxy ratio is against the last etcd run.
 func compareBackends(b *testing.B, env *benchEnv, bytesPerOp int64, op func(ctx context.Context, kv pb.KVClient) error) {
 	b.Helper()
+	compareBackendsN(b, env, *benchClients, bytesPerOp, op)
+}
+
+// compareBackendsN is compareBackends with clients concurrent clients. Both
+// sub-benchmarks also report the requests etcd's KV service received per
+// 1,000 ops ("etcd-kv-req/1k-ops"): the proxy's cost to etcd.
+func compareBackendsN(b *testing.B, env *benchEnv, clients int, bytesPerOp int64, op func(ctx context.Context, kv pb.KVClient) error) {
+	b.Helper()
+	etcdKVRequests := func() float64 {
+		return metricSum(b, prometheus.DefaultGatherer, "grpc_server_started_total", map[string]string{"grpc_service": "etcdserverpb.KV"})
+	}
 	var etcd, proxy benchResult
 	b.Run("etcd", func(b *testing.B) {
-		etcd = runThroughput(b, bytesPerOp, func(ctx context.Context) error { return op(ctx, env.etcdKV) })
+		req0 := etcdKVRequests()
+		etcd = runThroughput(b, clients, bytesPerOp, func(ctx context.Context) error { return op(ctx, env.etcdKV) })
+		b.ReportMetric((etcdKVRequests()-req0)*1000/float64(b.N), "etcd-kv-req/1k-ops")
 	})
 	b.Run("proxy", func(b *testing.B) {
 		cacheBefore, fwdBefore := proxyRangeSources(b, env.c)
-		proxy = runThroughput(b, bytesPerOp, func(ctx context.Context) error { return op(ctx, env.proxyKV) })
+		req0 := etcdKVRequests()
+		prog0 := env.c.proxyMetric(b, "etcd_snapcache_upstream_progress_requests_total", nil)
+		proxy = runThroughput(b, clients, bytesPerOp, func(ctx context.Context) error { return op(ctx, env.proxyKV) })
+		b.ReportMetric((etcdKVRequests()-req0)*1000/float64(b.N), "etcd-kv-req/1k-ops")
+		b.ReportMetric((env.c.proxyMetric(b, "etcd_snapcache_upstream_progress_requests_total", nil)-prog0)*1000/float64(b.N), "progress-req/1k-ops")
 		cacheAfter, fwdAfter := proxyRangeSources(b, env.c)
 		if fwdAfter != fwdBefore || cacheAfter-cacheBefore < float64(b.N) {
 			b.Fatalf("the proxy served %v Ranges from its cache and forwarded %v to etcd for %d ops; the measurement is not of the cache",
