@@ -330,7 +330,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		Follower:               s.follower,
 		Upstream:               pb.NewWatchClient(conn),
 		ProgressNotifyInterval: s.cfg.WatchProgressNotifyInterval,
-		MaxRequestBytes:        s.cfg.MaxRequestBytes,
+		FragmentBytes:          s.cfg.MaxRequestBytes + grpcOverheadBytes,
 		Fallback:               s.checker.Fallback,
 		Logger:                 s.lg.Named("watch"),
 		Metrics:                watchproxy.NewMetrics(s.registry),

@@ -19,9 +19,9 @@ import (
 // progress notifications to idle progress_notify watchers.
 const DefaultProgressNotifyInterval = 10 * time.Minute
 
-// etcd's default --max-request-bytes, which etcd also uses as the fragment
-// size of fragmenting watchers.
-const defaultMaxRequestBytes = 1.5 * 1024 * 1024
+// etcd's fragment size with its default --max-request-bytes: the request
+// limit plus its 512 KiB allowance for gRPC overhead.
+const defaultFragmentBytes = 1.5*1024*1024 + 512*1024
 
 // maxCatchups bounds the upstream watches opened at once to catch watchers
 // up from history the proxy does not hold; further watchers wait.
@@ -36,9 +36,9 @@ type Config struct {
 	Upstream pb.WatchClient
 	// ProgressNotifyInterval of periodic progress notifications.
 	ProgressNotifyInterval time.Duration
-	// MaxRequestBytes is the upstream's --max-request-bytes: etcd splits
-	// a fragmenting watcher's responses at that size.
-	MaxRequestBytes int
+	// FragmentBytes is where etcd splits a fragmenting watcher's
+	// responses: its --max-request-bytes plus 512 KiB.
+	FragmentBytes int
 	// Fallback, if set, reports that new streams must be relayed to etcd
 	// (the consistency checker found the store inconsistent).
 	Fallback func() bool
@@ -76,8 +76,8 @@ func New(cfg Config) *Server {
 	if cfg.ProgressNotifyInterval <= 0 {
 		cfg.ProgressNotifyInterval = DefaultProgressNotifyInterval
 	}
-	if cfg.MaxRequestBytes <= 0 {
-		cfg.MaxRequestBytes = defaultMaxRequestBytes
+	if cfg.FragmentBytes <= 0 {
+		cfg.FragmentBytes = defaultFragmentBytes
 	}
 	return &Server{
 		store:    cfg.Store,
@@ -86,7 +86,7 @@ func New(cfg Config) *Server {
 		relay:    NewRelay(cfg.Upstream),
 		fallback: cfg.Fallback,
 		interval: cfg.ProgressNotifyInterval,
-		maxBytes: cfg.MaxRequestBytes,
+		maxBytes: cfg.FragmentBytes,
 		lg:       cfg.Logger,
 		m:        cfg.Metrics,
 		catchups: make(chan struct{}, maxCatchups),

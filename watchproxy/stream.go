@@ -239,9 +239,14 @@ func (st *stream) remove(w *watcher) {
 }
 
 // cancelCompacted ends a watcher whose next revision etcd has compacted, as
-// etcd does: a canceled response with compact_revision and header revision 0.
+// etcd does: a canceled response with compact_revision and header revision
+// 0. The watcher stays registered, sending nothing, until the client
+// cancels it, as in etcd's watch stream.
 func (st *stream) cancelCompacted(w *watcher, compactRev int64) error {
-	st.remove(w)
+	if w.cancelCatchup != nil {
+		w.cancelCatchup()
+	}
+	w.compacted, w.catchingUp, w.cancelCatchup = true, false, nil
 	st.s.m.compacted()
 	return st.gs.Send(&pb.WatchResponse{Header: st.header(0), WatchId: w.id, CompactRevision: compactRev, Canceled: true})
 }
@@ -252,7 +257,7 @@ func (st *stream) deliver() (more bool, err error) {
 	rev := st.s.store.Rev()
 	from := int64(math.MaxInt64)
 	for _, w := range st.watchers {
-		if !w.catchingUp && w.nextRev <= rev {
+		if w.active() && w.nextRev <= rev {
 			from = min(from, w.nextRev)
 		}
 	}
@@ -265,7 +270,7 @@ func (st *stream) deliver() (more bool, err error) {
 		return st.deliverEach(rev)
 	}
 	for _, w := range st.watchers {
-		if !w.catchingUp && w.nextRev <= complete {
+		if w.active() && w.nextRev <= complete {
 			if err := st.sendEvents(w, batches, complete); err != nil {
 				return false, err
 			}
@@ -276,7 +281,7 @@ func (st *stream) deliver() (more bool, err error) {
 
 func (st *stream) deliverEach(rev int64) (more bool, err error) {
 	for _, w := range st.watchers {
-		if w.catchingUp || w.nextRev > rev {
+		if !w.active() || w.nextRev > rev {
 			continue
 		}
 		batches, complete, err := st.s.store.EventsFrom(w.nextRev, rev, maxRevisionsPerPass)
@@ -389,8 +394,8 @@ func (st *stream) answerProgress() error {
 	}
 	rev := int64(math.MaxInt64)
 	for _, w := range st.watchers {
-		if w.catchingUp {
-			return nil
+		if w.catchingUp || w.compacted {
+			return nil // etcd sends none while a watcher is not synced
 		}
 		rev = min(rev, w.nextRev-1)
 	}
@@ -417,7 +422,7 @@ func (st *stream) answerProgress() error {
 // revision it has been sent everything up to, unless it starts beyond it.
 func (st *stream) periodicProgress() error {
 	for _, w := range st.watchers {
-		if !w.progressNotify {
+		if !w.progressNotify || w.compacted {
 			continue
 		}
 		if rev := w.nextRev - 1; w.idle && !w.catchingUp && rev > 0 && w.startRev <= rev {

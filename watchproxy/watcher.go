@@ -28,6 +28,10 @@ type watcher struct {
 	// catchingUp is set while etcd's history is relayed to the watcher.
 	catchingUp    bool
 	cancelCatchup func()
+	// compacted is set once the watcher was canceled for compaction. As
+	// in etcd, its id stays taken, it blocks requested progress, and the
+	// client's cancel is answered, until the client cancels it.
+	compacted bool
 }
 
 func newWatcher(id int64, cr *pb.WatchCreateRequest, key, end []byte) *watcher {
@@ -50,6 +54,9 @@ func newWatcher(id int64, cr *pb.WatchCreateRequest, key, end []byte) *watcher {
 	}
 	return w
 }
+
+// active reports whether the watcher is sent events from the history.
+func (w *watcher) active() bool { return !w.catchingUp && !w.compacted }
 
 func (w *watcher) contains(key []byte) bool {
 	switch {
