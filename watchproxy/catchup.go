@@ -19,7 +19,8 @@ const catchupProgressResend = 100 * time.Millisecond
 
 // catchupBatch is what a catch-up goroutine hands its stream's send loop.
 type catchupBatch struct {
-	id         int64
+	// w is the watcher the batch is for: a later watcher may reuse its id.
+	w          *watcher
 	events     []*mvccpb.Event // of revisions <= upTo, with PrevKv
 	upTo       int64           // the watcher is complete up to upTo
 	done       bool            // the store's history holds every later event
@@ -40,8 +41,8 @@ func (st *stream) startCatchup(w *watcher) {
 	st.wg.Add(1)
 	go func() {
 		defer st.wg.Done()
-		b := st.catchup(ctx, w.id, create, until)
-		b.id = w.id
+		b := st.catchup(ctx, w, create, until)
+		b.w = w
 		select {
 		case st.catchupc <- b:
 		case <-ctx.Done():
@@ -59,7 +60,7 @@ func wireRangeEnd(end []byte) []byte {
 
 // catchup runs the upstream watch. It hands over events as they come and
 // returns the final batch: done, compacted, or an error.
-func (st *stream) catchup(ctx context.Context, id int64, create *pb.WatchCreateRequest, until int64) catchupBatch {
+func (st *stream) catchup(ctx context.Context, w *watcher, create *pb.WatchCreateRequest, until int64) catchupBatch {
 	select {
 	case st.s.catchups <- struct{}{}:
 		defer func() { <-st.s.catchups }()
@@ -124,7 +125,7 @@ func (st *stream) catchup(ctx context.Context, id int64, create *pb.WatchCreateR
 		}
 		if len(evs) > 0 {
 			select {
-			case st.catchupc <- catchupBatch{id: id, events: evs, upTo: evs[len(evs)-1].Kv.ModRevision}:
+			case st.catchupc <- catchupBatch{w: w, events: evs, upTo: evs[len(evs)-1].Kv.ModRevision}:
 			case <-ctx.Done():
 				return catchupBatch{err: ctx.Err()}
 			}
@@ -137,9 +138,9 @@ func (st *stream) catchup(ctx context.Context, id int64, create *pb.WatchCreateR
 
 // onCatchup applies a catch-up batch to its watcher, if still there.
 func (st *stream) onCatchup(b catchupBatch) error {
-	w := st.watchers[b.id]
-	if w == nil || !w.catchingUp {
-		return nil // canceled meanwhile
+	w := b.w
+	if st.watchers[w.id] != w || !w.catchingUp {
+		return nil // canceled meanwhile (its id may be in use again)
 	}
 	switch {
 	case b.compactRev != 0:
