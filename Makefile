@@ -27,9 +27,12 @@ vet:
 	$(GO) vet ./...
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt needed"; exit 1; }
 
-# Every test, with the race detector, against real (embedded) etcd.
+# Every test, with the race detector, against real (embedded) etcd; then
+# etcd's robustness validators over traffic recorded through the proxy (a
+# nested module: go.etcd.io/etcd/tests/v3 stays out of the main module).
 test: vet
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./...
+	cd integration/robustness && $(GO) vet ./... && $(GO) test -race -count=1 -timeout 10m ./...
 
 # Benchmarks: the store alone, and the proxy beside direct etcd in one run.
 bench:

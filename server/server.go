@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -260,6 +261,12 @@ func (s *Server) dialUpstream() (*clientv3.Client, error) {
 			// its own wrappers, not to the raw stubs used here, so the
 			// limit is set on the connection.
 			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxSendBytes)),
+			// Reconnect within ~100 ms of etcd coming back, not grpc-go's
+			// 1 s base backoff: the cache is stale while disconnected.
+			grpc.WithConnectParams(grpc.ConnectParams{
+				Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 5 * time.Second},
+				MinConnectTimeout: defaultDialTimeout,
+			}),
 			grpc.WithChainUnaryInterceptor(forwardUnaryMetadata),
 			grpc.WithChainStreamInterceptor(forwardStreamMetadata),
 		},

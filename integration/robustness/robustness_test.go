@@ -1,0 +1,674 @@
+package robustness
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/anishathalye/porcupine"
+	gocmp "github.com/google/go-cmp/cmp"
+	dto "github.com/prometheus/client_model/go"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest"
+	"golang.org/x/sync/errgroup"
+	"golang.org/x/time/rate"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/server/v3/embed"
+	"go.etcd.io/etcd/tests/v3/robustness/client"
+	"go.etcd.io/etcd/tests/v3/robustness/identity"
+	"go.etcd.io/etcd/tests/v3/robustness/model"
+	"go.etcd.io/etcd/tests/v3/robustness/report"
+	"go.etcd.io/etcd/tests/v3/robustness/traffic"
+	"go.etcd.io/etcd/tests/v3/robustness/validate"
+
+	"github.com/etcd-snapcache/etcd-snapcache/server"
+)
+
+// The shape of a run: traffic for trafficDuration; faultAt into it the
+// proxy is partitioned from etcd (its upstream connection cut), and the
+// partition heals faultFor later.
+const (
+	trafficDuration = 8 * time.Second
+	faultAt         = 3 * time.Second
+	// faultFor is the length of the partition. While it lasts, writes
+	// fail or time out with an outcome unknown to the client, and each
+	// such write widens the linearization search: the Kubernetes
+	// compactor's identical compact_rev_key Txns above all, which the
+	// WAL cannot tell apart. A partition that holds new connections
+	// (rather than refusing them, which would add gRPC's reconnect
+	// backoff of a second or more) keeps their number small.
+	faultFor = 500 * time.Millisecond
+	// runTimeout bounds the recording (not the validation).
+	runTimeout = 2 * time.Minute
+	// validationTimeout is porcupine's budget for the linearization check.
+	validationTimeout = time.Minute
+)
+
+// profile is a scaled-down traffic.KeyValueMedium/WatchDefault/
+// CompactionDefault: sized for 2 cores under the race detector. Every
+// client, "member" and "cluster" alike, talks to the proxy alone.
+var profile = traffic.Profile{
+	KeyValue: &traffic.KeyValue{
+		MinimalQPS:                     50,
+		MaximalQPS:                     150,
+		BurstableQPS:                   150,
+		MemberClientCount:              4,
+		ClusterClientCount:             2,
+		MaxNonUniqueRequestConcurrency: 3,
+	},
+	Watch: &traffic.Watch{
+		MemberClientCount:   2,
+		ClusterClientCount:  1,
+		RevisionOffsetRange: traffic.Range{Min: -100, Max: 100},
+	},
+	Compaction: &traffic.CompactionDefault,
+}
+
+// TestRobustness records Kubernetes-shaped and etcd-shaped traffic through
+// the proxy with etcd's robustness framework, with compactions, watches and
+// a cut of the proxy's upstream connection, and requires every validation
+// of the framework to succeed: linearization of the KV history, the watch
+// guarantees, and the historical (serializable) reads replayed against the
+// requests persisted in etcd's WAL.
+func TestRobustness(t *testing.T) {
+	// The framework's 200ms per-request timeout is sized for etcd without
+	// the race detector; here a request that times out is a write of
+	// unknown outcome for the linearization check, not a finding.
+	requestTimeout := traffic.RequestTimeout
+	traffic.RequestTimeout = time.Second
+	t.Cleanup(func() { traffic.RequestTimeout = requestTimeout })
+	for _, sc := range []struct {
+		name    string
+		traffic traffic.Traffic
+	}{
+		{"Kubernetes", traffic.Kubernetes},
+		{"EtcdPutDeleteLease", traffic.EtcdPutDeleteLease},
+	} {
+		t.Run(sc.name, func(t *testing.T) {
+			testRobustness(t, sc.traffic)
+		})
+	}
+}
+
+// env is an embedded etcd with the proxy in front of it, through a relay.
+type env struct {
+	dataDir  string
+	etcd     *embed.Etcd
+	relay    *relay
+	proxy    *server.Server
+	stopOnce sync.Once
+}
+
+func newEnv(t *testing.T, lg *zap.Logger) *env {
+	t.Helper()
+	en := &env{dataDir: t.TempDir()}
+	e, err := server.StartEmbedded(server.EmbeddedConfig{Dir: en.dataDir, Logger: lg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	en.etcd = e
+	t.Cleanup(en.stop)
+	en.relay = newRelay(t, e.Clients[0].Addr().String())
+	p, err := server.Start(server.Config{
+		Endpoints:               []string{"http://" + en.relay.addr()},
+		ListenAddr:              "127.0.0.1:0",
+		CompactionProbeInterval: 20 * time.Millisecond,
+		// The robustness scenarios run etcd with
+		// e2e.WithWatchProcessNotifyInterval(100ms); the proxy serves
+		// the watches, so the interval is the proxy's.
+		WatchProgressNotifyInterval: 100 * time.Millisecond,
+		Logger:                      lg.Named("proxy"),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	en.proxy = p
+	select {
+	case <-p.Ready():
+	case err := <-p.Err():
+		t.Fatal(err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("proxy not ready after 30s")
+	}
+	return en
+}
+
+// stop stops the proxy, then etcd, so that etcd's WAL is complete and
+// closed before it is read.
+func (en *env) stop() {
+	en.stopOnce.Do(func() {
+		if en.proxy != nil {
+			en.proxy.Stop()
+		}
+		en.etcd.Close()
+	})
+}
+
+func testRobustness(t *testing.T, tf traffic.Traffic) {
+	// The framework's own logs at info; etcd's and the proxy's at warn
+	// (they log every broken connection and retry during the fault).
+	lg := zaptest.NewLogger(t, zaptest.Level(zap.InfoLevel))
+	quiet := zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel), zaptest.WrapOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
+		// clientv3 logs every failed attempt of a forwarded call.
+		return dropLogger{Core: c, name: "proxy.upstream"}
+	})))
+	en := newEnv(t, quiet)
+	endpoints := []string{en.proxy.Addr()}
+
+	r, err := report.NewTestReport(lg, resultsDirectory(t), map[string]string{"etcd": en.dataDir},
+		&report.TrafficDetail{ExpectUniqueRevision: tf.ExpectUniqueRevision()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// t.Failed() is false while panicking: save the report then too.
+	panicked := true
+	defer func() {
+		if err := r.Finalize(t.Failed(), panicked); err != nil {
+			t.Error(err)
+		}
+	}()
+
+	rec := record(t, lg, en, endpoints, tf)
+	r.SetClientReports(rec.reports)
+
+	// The proxy's metrics show that the proxy, not etcd, answered reads,
+	// and that the fault and the compactions reached it.
+	m := gatherCounters(t, en)
+	en.stop()
+
+	persisted, err := report.PersistedRequests(lg, []string{en.dataDir})
+	if err != nil {
+		t.Fatalf("reading etcd's WAL: %v", err)
+	}
+	checkCoverage(t, rec, m, persisted)
+
+	start := time.Now()
+	result := validate.ValidateAndReturnVisualize(lg,
+		validate.Config{ExpectRevisionUnique: tf.ExpectUniqueRevision()},
+		rec.reports, persisted, validationTimeout)
+	t.Logf("validation took %v: assumptions=%s linearization=%s watch=%s serializable=%s",
+		time.Since(start).Round(time.Millisecond), result.Assumptions, result.Linearization.Result,
+		result.Watch, result.Serializable)
+	for _, c := range []struct {
+		name string
+		res  validate.Result
+	}{
+		{"assumptions", result.Assumptions},
+		{"linearization", result.Linearization.Result},
+		{"watch", result.Watch},
+		{"serializable", result.Serializable},
+	} {
+		if c.res.Status != validate.Success {
+			t.Errorf("%s validation: want %s, got %s", c.name, validate.Success, describe(c.res))
+		}
+	}
+	if result.Linearization.Status != validate.Success {
+		explainLinearization(t, rec.reports, persisted)
+	}
+	// LinearizationResult.Visualize draws only successful linearizations;
+	// a failed one is the one worth looking at.
+	r.SetVisualizer(func(lg *zap.Logger, path string) error {
+		lg.Info("Saving visualization", zap.String("path", path))
+		return porcupine.VisualizePath(result.Linearization.Model, result.Linearization.Info, path)
+	})
+	panicked = false
+}
+
+func rangeString(r *model.RangeRequest) string {
+	return fmt.Sprintf("[%q, %q) revision=%d limit=%d keys_only=%v", r.Start, r.End, r.Revision, r.Limit, r.KeysOnly)
+}
+
+func describe(r validate.Result) string {
+	if r.Status == validate.Unknown {
+		return "not run (an earlier validation failed)"
+	}
+	return r.String()
+}
+
+// explainLinearization logs the reads that contradict etcd's WAL, as hints
+// to why the history is not linearizable: a read whose header revision is
+// below a write acknowledged before the read was sent (etcd's header is its
+// head, at least every acknowledged write), or whose key-values differ from
+// the WAL's replay at the revision read.
+func explainLinearization(t *testing.T, reports []report.ClientReport, persisted []model.EtcdRequest) {
+	t.Helper()
+	replay := model.NewReplay(persisted)
+	type ack struct {
+		ret, rev int64
+		client   int
+	}
+	var acks []ack
+	for _, r := range reports {
+		for _, op := range r.KeyValue {
+			req, resp := op.Input.(model.EtcdRequest), op.Output.(model.MaybeEtcdResponse)
+			if req.Type == model.Txn && resp.Error == "" && resp.Revision > 0 {
+				acks = append(acks, ack{ret: op.Return, rev: resp.Revision, client: op.ClientId})
+			}
+		}
+	}
+	slices.SortFunc(acks, func(a, b ack) int { return cmp.Compare(a.ret, b.ret) })
+	// best[i] is the highest revision among acks[:i+1].
+	best := make([]ack, len(acks))
+	for i, a := range acks {
+		best[i] = a
+		if i > 0 && best[i-1].rev > a.rev {
+			best[i] = best[i-1]
+		}
+	}
+	ackedBefore := func(call int64) (ack, bool) {
+		i, _ := slices.BinarySearchFunc(acks, call, func(a ack, call int64) int { return cmp.Compare(a.ret, call) })
+		if i == 0 {
+			return ack{}, false
+		}
+		return best[i-1], true
+	}
+	const maxHints = 20
+	hints := 0
+	hint := func(format string, args ...any) {
+		if hints < maxHints {
+			t.Logf("hint: "+format, args...)
+		}
+		hints++
+	}
+	for _, r := range reports {
+		for _, op := range r.KeyValue {
+			req, resp := op.Input.(model.EtcdRequest), op.Output.(model.MaybeEtcdResponse)
+			if req.Type != model.Range || resp.Error != "" || resp.ClientError != "" {
+				continue
+			}
+			if a, ok := ackedBefore(op.Call); ok && resp.Revision < a.rev {
+				hint("client %d: Range %s called at %v, returned at %v, has header revision %d; a write at revision %d was acknowledged to client %d at %v, before the read was called",
+					op.ClientId, rangeString(req.Range), time.Duration(op.Call), time.Duration(op.Return), resp.Revision, a.rev, a.client, time.Duration(a.ret))
+			}
+			rev := req.Range.Revision
+			if rev == 0 {
+				rev = resp.Revision
+			}
+			state, err := replay.StateForRevision(rev)
+			if err != nil {
+				hint("client %d: Range %s called at %v: %v", op.ClientId, rangeString(req.Range), time.Duration(op.Call), err)
+				continue
+			}
+			_, want := state.Step(model.EtcdRequest{Type: model.Range, Range: &model.RangeRequest{RangeOptions: req.Range.RangeOptions}})
+			if diff := gocmp.Diff(want.Range, resp.Range); diff != "" {
+				hint("client %d: Range %s called at %v: key-values differ from the WAL at revision %d (-want +got):\n%s",
+					op.ClientId, rangeString(req.Range), time.Duration(op.Call), rev, diff)
+			}
+		}
+	}
+	t.Logf("%d hints (at most %d shown)", hints, maxHints)
+}
+
+// recording is what a run recorded.
+type recording struct {
+	reports              []report.ClientReport
+	start, end           time.Duration // of the traffic, since the base time
+	faultStart, faultEnd time.Duration
+	connsCut             int
+	maxRevision          int64
+}
+
+// record drives the traffic through the proxy, as the framework's
+// runScenario and traffic.SimulateTraffic do (they take an
+// e2e.EtcdProcessCluster; the functions they call take endpoints), and
+// collects every event with whole-keyspace watches through the proxy.
+func record(t *testing.T, lg *zap.Logger, en *env, endpoints []string, tf traffic.Traffic) *recording {
+	ctx, cancel := context.WithTimeout(t.Context(), runTimeout)
+	defer cancel()
+
+	baseTime := time.Now()
+	ids := identity.NewIDProvider()
+	trafficSet := client.NewSet(ids, baseTime)
+	defer trafficSet.Close()
+	watchSet := client.NewSet(ids, baseTime)
+	defer watchSet.Close()
+
+	// The model requires an empty etcd at the start, shown by a read at
+	// revision 1 in the history.
+	if err := checkEmptyDatabaseAtStart(ctx, endpoints, trafficSet); err != nil {
+		t.Fatal(err)
+	}
+
+	rec := &recording{}
+	maxRevisionChan := make(chan int64, 1)
+	var g errgroup.Group
+	g.Go(func() error {
+		defer close(maxRevisionChan)
+		err := simulateTraffic(ctx, lg, en, endpoints, tf, trafficSet, rec)
+		if err != nil {
+			cancel()
+			return err
+		}
+		maxRevisionChan <- rec.maxRevision
+		return nil
+	})
+	g.Go(func() error {
+		return client.CollectClusterWatchEvents(ctx, client.CollectClusterWatchEventsParam{
+			Lg:              lg,
+			Endpoints:       endpoints,
+			MaxRevisionChan: maxRevisionChan,
+			ClientSet:       watchSet,
+		})
+	})
+	if err := g.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	rec.reports = slices.Concat(trafficSet.Reports(), watchSet.Reports())
+
+	kv := traffic.CalculateStats(rec.reports, rec.start, rec.end)
+	before := traffic.CalculateStats(rec.reports, rec.start, rec.faultStart)
+	during := traffic.CalculateStats(rec.reports, rec.faultStart, rec.faultEnd)
+	after := traffic.CalculateStats(rec.reports, rec.faultEnd, rec.end)
+	w := traffic.CalculateWatchStats(rec.reports, rec.start, rec.end)
+	recovered := "never"
+	if at, ok := firstWriteAfter(rec.reports, rec.faultEnd); ok {
+		recovered = fmt.Sprintf("%v after the restore", (at - rec.faultEnd).Round(time.Millisecond))
+	}
+	t.Logf("fault from %v to %v: %d upstream connections cut; first write acknowledged %s; %d writes failed (outcome unknown to the client)",
+		rec.faultStart.Round(time.Millisecond), rec.faultEnd.Round(time.Millisecond), rec.connsCut, recovered, failedWrites(rec.reports))
+	t.Logf("traffic over %v: %d successes, %d failures, %.1f qps; before the fault %.1f qps, during %d/%d failed, after %.1f qps",
+		kv.Period.Round(time.Millisecond), kv.Successes, kv.Failures, kv.QPS(), before.QPS(),
+		during.Failures, during.Successes+during.Failures, after.QPS())
+	t.Logf("watch: %d requests, %d events, %d progress notifications; max revision %d",
+		w.Requests, w.Events, w.ProgressNotifies, rec.maxRevision)
+	if kv.Successes == 0 || after.Successes == 0 {
+		t.Fatalf("no successful traffic (after the fault: %d)", after.Successes)
+	}
+	// As traffic.SimulateTraffic: too little traffic makes a pass weak.
+	if before.QPS() < profile.KeyValue.MinimalQPS {
+		t.Errorf("requiring minimal %.0f qps before the fault for the results to be reliable, got %.1f qps", profile.KeyValue.MinimalQPS, before.QPS())
+	}
+	return rec
+}
+
+// simulateTraffic is traffic.SimulateTraffic without the cluster: KV, watch
+// and compaction traffic through the proxy, the fault, then the final
+// successful write the validation requires.
+func simulateTraffic(ctx context.Context, lg *zap.Logger, en *env, endpoints []string, tf traffic.Traffic, clientSet *client.ClientSet, rec *recording) error {
+	limiter := rate.NewLimiter(rate.Limit(profile.KeyValue.MaximalQPS), profile.KeyValue.BurstableQPS)
+	finish := make(chan struct{})
+	keyStore := traffic.NewKeyStore(10, "key")
+	kubernetesStorage := traffic.NewKubernetesStorage()
+	var wg sync.WaitGroup
+	stop := func() {
+		close(finish)
+		wg.Wait()
+	}
+
+	lg.Info("Start traffic")
+	rec.start = time.Since(clientSet.BaseTime())
+	err := traffic.SimulateKeyValueTraffic(ctx, &wg, profile.KeyValue, endpoints, clientSet, tf, traffic.RunTrafficLoopParam{
+		QPSLimiter:                         limiter,
+		IDs:                                clientSet.IdentityProvider(),
+		LeaseIDStorage:                     identity.NewLeaseIDStorage(),
+		NonUniqueRequestConcurrencyLimiter: traffic.NewConcurrencyLimiter(profile.KeyValue.MaxNonUniqueRequestConcurrency),
+		KeyStore:                           keyStore,
+		Storage:                            kubernetesStorage,
+		Finish:                             finish,
+	})
+	if err != nil {
+		stop()
+		return err
+	}
+	err = traffic.SimulateWatchTraffic(ctx, &wg, profile.Watch, endpoints, clientSet, tf, traffic.RunWatchLoopParam{
+		Config:     *profile.Watch,
+		QPSLimiter: limiter,
+		KeyStore:   keyStore,
+		Storage:    kubernetesStorage,
+		Finish:     finish,
+		Logger:     lg,
+	})
+	if err != nil {
+		stop()
+		return err
+	}
+	err = traffic.SimulateCompactionTraffic(ctx, &wg, profile.Compaction, endpoints, clientSet, tf, traffic.RunCompactLoopParam{
+		Period: profile.Compaction.Period,
+		Finish: finish,
+	})
+	if err != nil {
+		stop()
+		return err
+	}
+
+	// The fault: a partition between the proxy and etcd. The proxy loses
+	// its upstream watch, forwarded requests and quorum reads, then gets
+	// them back. The timers bound the phases of the traffic; nothing waits
+	// on them for synchronisation.
+	phase := func(d time.Duration) bool {
+		tm := time.NewTimer(d)
+		defer tm.Stop()
+		select {
+		case <-tm.C:
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	}
+	ok := phase(faultAt)
+	rec.faultStart = time.Since(clientSet.BaseTime())
+	rec.connsCut = en.relay.Cut()
+	lg.Info("Cut the proxy's upstream connections", zap.Int("connections", rec.connsCut))
+	ok = ok && phase(faultFor)
+	held := en.relay.Restore()
+	rec.faultEnd = time.Since(clientSet.BaseTime())
+	lg.Info("Restored the proxy's upstream", zap.Int("held-connections", held))
+	ok = ok && phase(trafficDuration-faultAt-faultFor)
+	stop()
+	rec.end = time.Since(clientSet.BaseTime())
+	lg.Info("Finished traffic")
+	if !ok {
+		return fmt.Errorf("traffic interrupted: %w", ctx.Err())
+	}
+
+	// The last operation must succeed. Wait, with a read that does not
+	// enter the history (clientv3 retries it while the proxy answers
+	// Unavailable), until the proxy reaches etcd again.
+	if err := waitUpstream(ctx, endpoints); err != nil {
+		return err
+	}
+	cc, err := clientSet.NewClient(endpoints)
+	if err != nil {
+		return err
+	}
+	defer cc.Close()
+	if _, err := cc.Put(ctx, "tombstone", "true"); err != nil {
+		return fmt.Errorf("last operation failed, validation requires it to succeed: %w", err)
+	}
+	rec.maxRevision = report.OperationsMaxRevision(clientSet.Reports())
+	return nil
+}
+
+// firstWriteAfter returns when the first write called after t was
+// acknowledged.
+func firstWriteAfter(reports []report.ClientReport, t time.Duration) (time.Duration, bool) {
+	first, ok := int64(0), false
+	for _, r := range reports {
+		for _, op := range r.KeyValue {
+			req, resp := op.Input.(model.EtcdRequest), op.Output.(model.MaybeEtcdResponse)
+			if req.Type == model.Txn && resp.Error == "" && op.Call > int64(t) && (!ok || op.Return < first) {
+				first, ok = op.Return, true
+			}
+		}
+	}
+	return time.Duration(first), ok
+}
+
+// failedWrites counts the writes whose outcome the client does not know.
+func failedWrites(reports []report.ClientReport) int {
+	n := 0
+	for _, r := range reports {
+		for _, op := range r.KeyValue {
+			req, resp := op.Input.(model.EtcdRequest), op.Output.(model.MaybeEtcdResponse)
+			if !req.IsRead() && resp.Error != "" {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+// checkEmptyDatabaseAtStart is traffic.CheckEmptyDatabaseAtStart, which
+// retries forever, bounded by ctx: a recorded read must find etcd at
+// revision 1.
+func checkEmptyDatabaseAtStart(ctx context.Context, endpoints []string, cs *client.ClientSet) error {
+	c, err := cs.NewClient(endpoints)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	for {
+		rctx, cancel := context.WithTimeout(ctx, traffic.RequestTimeout)
+		resp, err := c.Get(rctx, "key")
+		cancel()
+		switch {
+		case err == nil && resp.Header.Revision != 1:
+			return fmt.Errorf("%w: revision %d", validate.ErrNotEmptyDatabase, resp.Header.Revision)
+		case err == nil:
+			return nil
+		case ctx.Err() != nil:
+			return fmt.Errorf("checking that etcd is empty: %w", err)
+		}
+	}
+}
+
+// waitUpstream returns once a linearizable read through the proxy (which
+// the proxy forwards to etcd) succeeds.
+func waitUpstream(ctx context.Context, endpoints []string) error {
+	c, err := clientv3.New(clientv3.Config{Endpoints: endpoints, Logger: zap.NewNop()})
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	for {
+		rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		_, err := c.Get(rctx, "tombstone")
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("the proxy did not reach etcd again: %w", errors.Join(err, ctx.Err()))
+		}
+	}
+}
+
+// counters are the proxy's counters, summed by name and label set.
+type counters map[string]float64
+
+func gatherCounters(t *testing.T, en *env) counters {
+	t.Helper()
+	mfs, err := en.proxy.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := counters{}
+	for _, mf := range mfs {
+		if mf.GetType() != dto.MetricType_COUNTER {
+			continue
+		}
+		for _, metric := range mf.GetMetric() {
+			v := metric.GetCounter().GetValue()
+			m[mf.GetName()] += v
+			for _, l := range metric.GetLabel() {
+				m[mf.GetName()+"{"+l.GetName()+"="+l.GetValue()+"}"] += v
+			}
+		}
+	}
+	return m
+}
+
+// checkCoverage fails a run that would pass validation vacuously: the
+// proxy must have answered reads from memory, mirrored compactions, and
+// felt the fault; the history must hold historical reads, watch events and
+// persisted compactions.
+func checkCoverage(t *testing.T, rec *recording, m counters, persisted []model.EtcdRequest) {
+	t.Helper()
+	var historical, watchEvents int
+	for _, r := range rec.reports {
+		for _, op := range r.KeyValue {
+			req := op.Input.(model.EtcdRequest)
+			resp := op.Output.(model.MaybeEtcdResponse)
+			if req.Type == model.Range && req.Range.Revision != 0 && resp.Error == "" {
+				historical++
+			}
+		}
+		watchEvents += r.WatchEventCount()
+	}
+	var compactions int
+	for _, req := range persisted {
+		if req.Type == model.Compact {
+			compactions++
+		}
+	}
+	const (
+		cacheRanges = "etcd_snapcache_range_requests_total{source=cache}"
+		restarts    = "etcd_snapcache_upstream_watch_restarts_total"
+		reloads     = "etcd_snapcache_reloads_total"
+		mirrored    = "etcd_snapcache_compactions_observed_total"
+		sent        = "etcd_snapcache_watch_events_sent_total"
+	)
+	t.Logf("history: %d successful historical reads, %d watch events; WAL: %d requests, %d compactions",
+		historical, watchEvents, len(persisted), compactions)
+	t.Logf("proxy: %v ranges from the cache, %v forwarded, %v compactions mirrored, %v watch events sent, %v upstream watch restarts, %v reloads",
+		m[cacheRanges], m["etcd_snapcache_range_requests_total{source=forwarded}"], m[mirrored], m[sent], m[restarts], m[reloads])
+	var keys []string
+	for k := range m {
+		if strings.HasPrefix(k, "etcd_snapcache_") && strings.Contains(k, "{") {
+			keys = append(keys, fmt.Sprintf("%s=%v", k, m[k]))
+		}
+	}
+	slices.Sort(keys)
+	t.Logf("proxy counters: %s", strings.Join(keys, " "))
+
+	if historical == 0 || watchEvents == 0 || compactions == 0 {
+		t.Errorf("the history does not exercise the proxy: %d historical reads, %d watch events, %d compactions", historical, watchEvents, compactions)
+	}
+	if m[cacheRanges] == 0 || m[mirrored] == 0 || m[sent] == 0 {
+		t.Errorf("the proxy served nothing itself: %v cache ranges, %v compactions mirrored, %v watch events sent", m[cacheRanges], m[mirrored], m[sent])
+	}
+	if rec.connsCut == 0 || m[restarts]+m[reloads] == 0 {
+		t.Errorf("the fault did not reach the proxy: %d connections cut, %v upstream watch restarts, %v reloads", rec.connsCut, m[restarts], m[reloads])
+	}
+}
+
+// resultsDirectory is where a failed run's report goes: $RESULTS_DIR, or
+// the temporary directory, then the test name and a timestamp.
+func resultsDirectory(t *testing.T) string {
+	dir, ok := os.LookupEnv("RESULTS_DIR")
+	if !ok {
+		dir = filepath.Join(os.TempDir(), "etcd-snapcache-robustness")
+	}
+	dir, err := filepath.Abs(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return filepath.Join(dir, strings.ReplaceAll(t.Name(), "/", "_"), fmt.Sprint(time.Now().UnixNano()))
+}
+
+// dropLogger drops the entries of one named logger (and its children).
+type dropLogger struct {
+	zapcore.Core
+	name string
+}
+
+func (d dropLogger) Check(e zapcore.Entry, ce *zapcore.CheckedEntry) *zapcore.CheckedEntry {
+	if e.LoggerName == d.name || strings.HasPrefix(e.LoggerName, d.name+".") {
+		return ce
+	}
+	return d.Core.Check(e, ce)
+}
+
+func (d dropLogger) With(fields []zapcore.Field) zapcore.Core {
+	return dropLogger{Core: d.Core.With(fields), name: d.name}
+}
