@@ -679,3 +679,26 @@ func wxCollectAll(tb testing.TB, c *cluster, cr *pb.WatchCreateRequest, upTo int
 	}
 	return nil
 }
+
+// wxProgressBehindHistory creates a synced watch on prefix and then cr (a
+// watcher with history to send), requests progress right behind them, and
+// checks the notification: at least head (etcd's revision when requested),
+// and only after every event of cr up to it (want is etcd's events for cr).
+func wxProgressBehindHistory(t *testing.T, c *cluster, prefix string, cr *pb.WatchCreateRequest, want []*mvccpb.Event, head int64) {
+	t.Helper()
+	s := wxOpen(t, c.viaProxy.ActiveConnection(), "proxy")
+	s.create(&pb.WatchCreateRequest{Key: []byte(prefix), RangeEnd: prefixEnd([]byte(prefix))}) // synced
+	s.create(cr)
+	s.requestProgress() // right behind the create: the history is not sent yet
+	log := s.waitUntil("a progress notification", func(l []*pb.WatchResponse) bool { return wxProgressCount(l) >= 1 })
+	i := wxNthProgress(log, 1)
+	r := log[i]
+	if r.Header.Revision < head {
+		t.Fatalf("progress at %d, below etcd's revision %d when it was requested", r.Header.Revision, head)
+	}
+	_, ws, _ := wxSplit(log[:i])
+	if diff := wxSameEvents(wxEventsUpTo(want, r.Header.Revision), ws[1].events); diff != "" {
+		t.Fatalf("progress at %d sent before the watcher's events up to it (%d events sent before it): %s", r.Header.Revision, len(ws[1].events), diff)
+	}
+	wxCheckStream(t, "proxy", log, true)
+}

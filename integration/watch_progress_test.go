@@ -113,21 +113,7 @@ func TestWatchProgressUnsyncedWatcher(t *testing.T) {
 	cr := &pb.WatchCreateRequest{Key: []byte("u/"), RangeEnd: prefixEnd([]byte("u/")), StartRevision: first, PrevKv: true}
 	want := wxCollectAll(t, c, cr, head)
 
-	s := wxOpen(t, c.viaProxy.ActiveConnection(), "proxy")
-	s.create(&pb.WatchCreateRequest{Key: []byte("u/"), RangeEnd: prefixEnd([]byte("u/"))}) // synced
-	s.create(cr)
-	s.requestProgress() // right behind the create: the history is not sent yet
-	log := s.waitUntil("a progress notification", func(l []*pb.WatchResponse) bool { return wxProgressCount(l) >= 1 })
-	i := wxNthProgress(log, 1)
-	r := log[i]
-	if r.Header.Revision < head {
-		t.Fatalf("progress at %d, below etcd's revision %d when it was requested", r.Header.Revision, head)
-	}
-	_, ws, _ := wxSplit(log[:i])
-	if diff := wxSameEvents(wxEventsUpTo(want, r.Header.Revision), ws[1].events); diff != "" {
-		t.Fatalf("progress at %d sent before the watcher's events up to it (%d events sent before it): %s", r.Header.Revision, len(ws[1].events), diff)
-	}
-	wxCheckStream(t, "proxy", log, true)
+	wxProgressBehindHistory(t, c, "u/", cr, want, head)
 }
 
 // TestWatchProgressUnderWrites: while another goroutine writes 500 times,

@@ -1,0 +1,23 @@
+// Package clients runs real client programs against etcd-snapcache, as
+// separate processes: a real etcd (.tools/bin/etcd), the proxy as built by
+// `make build` (bin/etcd-snapcache), and then
+//
+//   - etcdctl (TestEtcdctl): one deterministic script of etcdctl commands
+//     runs against a fresh etcd directly and against another fresh etcd
+//     behind the proxy, and the two transcripts must be identical once the
+//     values that differ between two etcd clusters are replaced by
+//     placeholders (see normalizer);
+//   - kube-apiserver (TestKubeAPIServer): an unmodified kube-apiserver with
+//     the proxy as its only etcd server, with the watch cache off and on,
+//     driven through its HTTPS API.
+//
+// It is its own module, without dependencies: it only runs binaries. Build
+// them first (tools/build.sh builds etcd, etcdctl and kube-apiserver from the
+// Go module proxy into .tools/bin), then
+//
+//	cd integration/clients && go test -count=1 ./...
+//
+// The binaries are found through $ETCD_BIN, $ETCDCTL_BIN, $KUBE_APISERVER_BIN
+// and $SNAPCACHE_BIN, or else in ../../.tools/bin and ../../bin. A missing
+// binary fails the test with the command that builds it.
+package clients

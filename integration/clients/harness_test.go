@@ -1,0 +1,347 @@
+package clients
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// binary returns the absolute path of a program the suites run: $env if set,
+// else rel (relative to this package's directory). A missing binary fails
+// the test, naming what builds it.
+func binary(t testing.TB, env, rel, build string) string {
+	t.Helper()
+	p := os.Getenv(env)
+	if p == "" {
+		p = rel
+	}
+	abs, err := filepath.Abs(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := os.Stat(abs)
+	if err != nil || st.IsDir() || st.Mode()&0o111 == 0 {
+		t.Fatalf("%s: no executable at %s (set $%s, or build it from the repository root with `%s`)", filepath.Base(rel), abs, env, build)
+	}
+	return abs
+}
+
+func etcdBin(t testing.TB) string {
+	return binary(t, "ETCD_BIN", "../../.tools/bin/etcd", "make tools-etcd")
+}
+
+func etcdctlBin(t testing.TB) string {
+	return binary(t, "ETCDCTL_BIN", "../../.tools/bin/etcdctl", "make tools-etcd")
+}
+
+func snapcacheBin(t testing.TB) string {
+	return binary(t, "SNAPCACHE_BIN", "../../bin/etcd-snapcache", "make build")
+}
+
+func kubeAPIServerBin(t testing.TB) string {
+	return binary(t, "KUBE_APISERVER_BIN", "../../.tools/bin/kube-apiserver", "make tools-kube")
+}
+
+// freePorts returns n distinct free TCP ports on 127.0.0.1. All listeners are
+// held until every port is chosen, so the n ports differ.
+func freePorts(t testing.TB, n int) []int {
+	t.Helper()
+	ports := make([]int, 0, n)
+	var ls []net.Listener
+	defer func() {
+		for _, l := range ls {
+			l.Close()
+		}
+	}()
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ls = append(ls, l)
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports
+}
+
+// process is a child process whose combined output goes to a log file.
+type process struct {
+	name    string
+	cmd     *exec.Cmd
+	logPath string
+	done    chan struct{} // closed when the process has exited
+	err     error         // Wait's result, once done is closed
+}
+
+// startProcess starts bin with args; the process is stopped (SIGTERM, then
+// SIGKILL after 15 s) when the test ends, and its log's tail is printed if
+// the test failed.
+func startProcess(t testing.TB, name, bin string, args []string, env ...string) *process {
+	t.Helper()
+	logPath := filepath.Join(t.TempDir(), name+".log")
+	f, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = f, f
+	cmd.Env = append(os.Environ(), env...)
+	if err := cmd.Start(); err != nil {
+		f.Close()
+		t.Fatalf("start %s: %v", name, err)
+	}
+	p := &process{name: name, cmd: cmd, logPath: logPath, done: make(chan struct{})}
+	go func() {
+		p.err = cmd.Wait()
+		f.Close()
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		p.stop(t)
+		if t.Failed() {
+			t.Logf("--- last lines of %s's log (%s):\n%s", name, logPath, p.tail(60))
+		}
+	})
+	return p
+}
+
+func (p *process) exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+func (p *process) stop(t testing.TB) {
+	if p.exited() {
+		return
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(15 * time.Second):
+		t.Logf("%s did not stop within 15s of SIGTERM; killing it", p.name)
+		_ = p.cmd.Process.Kill()
+		<-p.done
+	}
+}
+
+func (p *process) log() string {
+	b, err := os.ReadFile(p.logPath)
+	if err != nil {
+		return fmt.Sprintf("(reading %s: %v)", p.logPath, err)
+	}
+	return string(b)
+}
+
+func (p *process) tail(n int) string {
+	lines := strings.Split(strings.TrimRight(p.log(), "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// waitUntil polls cond every 50ms until it returns true, failing the test
+// after timeout. The last error cond returned is reported. Processes in
+// watch make it fail early if they exit.
+func waitUntil(t testing.TB, timeout time.Duration, what string, cond func() (bool, error), watch ...*process) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	var last error
+	for {
+		ok, err := cond()
+		if ok {
+			return
+		}
+		if err != nil {
+			last = err
+		}
+		for _, p := range watch {
+			if p.exited() {
+				t.Fatalf("waiting for %s: %s exited: %v", what, p.name, p.err)
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("waiting for %s: not done after %v (last error: %v)", what, timeout, last)
+		}
+		<-tick.C
+	}
+}
+
+var plainHTTP = &http.Client{Timeout: 5 * time.Second}
+
+// httpOK reports whether GET url answers 200.
+func httpOK(url string) (bool, error) {
+	resp, err := plainHTTP.Get(url)
+	if err != nil {
+		return false, err
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		return false, fmt.Errorf("%s: %s: %s", url, resp.Status, bytes.TrimSpace(body))
+	}
+	return true, nil
+}
+
+// etcdProc is a single-member etcd started from .tools/bin/etcd.
+type etcdProc struct {
+	*process
+	addr string // host:port of the client URL
+	url  string // client URL
+}
+
+func startEtcd(t testing.TB, name string, extra ...string) *etcdProc {
+	t.Helper()
+	bin := etcdBin(t)
+	ports := freePorts(t, 2)
+	addr := fmt.Sprintf("127.0.0.1:%d", ports[0])
+	clientURL := "http://" + addr
+	peerURL := fmt.Sprintf("http://127.0.0.1:%d", ports[1])
+	args := append([]string{
+		"--name=" + name,
+		"--data-dir=" + filepath.Join(t.TempDir(), name+".etcd"),
+		"--listen-client-urls=" + clientURL,
+		"--advertise-client-urls=" + clientURL,
+		"--listen-peer-urls=" + peerURL,
+		"--initial-advertise-peer-urls=" + peerURL,
+		"--initial-cluster=" + name + "=" + peerURL,
+		"--initial-cluster-state=new",
+		"--log-level=warn",
+	}, extra...)
+	p := startProcess(t, name, bin, args)
+	e := &etcdProc{process: p, addr: addr, url: clientURL}
+	waitUntil(t, 30*time.Second, name+" /readyz", func() (bool, error) { return httpOK(clientURL + "/readyz") }, p)
+	return e
+}
+
+// proxyProc is etcd-snapcache serve, started from bin/etcd-snapcache.
+type proxyProc struct {
+	*process
+	addr        string // host:port of the gRPC endpoint
+	url         string
+	metricsAddr string
+}
+
+func startProxy(t testing.TB, name, upstream string, extra ...string) *proxyProc {
+	t.Helper()
+	bin := snapcacheBin(t)
+	ports := freePorts(t, 2)
+	addr := fmt.Sprintf("127.0.0.1:%d", ports[0])
+	metrics := fmt.Sprintf("127.0.0.1:%d", ports[1])
+	args := append([]string{
+		"serve",
+		"--endpoints=" + upstream,
+		"--listen-addr=" + addr,
+		"--metrics-addr=" + metrics,
+		"--advertise-client-url=http://" + addr,
+		// Compactions made directly on etcd are noticed within 100ms.
+		"--compaction-probe-interval=100ms",
+	}, extra...)
+	p := startProcess(t, name, bin, args)
+	px := &proxyProc{process: p, addr: addr, url: "http://" + addr, metricsAddr: metrics}
+	waitUntil(t, 30*time.Second, name+" /readyz", func() (bool, error) { return httpOK("http://" + metrics + "/readyz") }, p)
+	return px
+}
+
+// metric returns the value of an unlabelled etcd_snapcache_ metric.
+func (px *proxyProc) metric(name string) (float64, error) {
+	resp, err := plainHTTP.Get("http://" + px.metricsAddr + "/metrics")
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	full := "etcd_snapcache_" + name
+	for sc.Scan() {
+		line := sc.Text()
+		if rest, ok := strings.CutPrefix(line, full+" "); ok {
+			return strconv.ParseFloat(strings.TrimSpace(rest), 64)
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return 0, err
+	}
+	return 0, fmt.Errorf("metric %s not found", full)
+}
+
+// waitCompactRevision waits until the proxy has mirrored etcd's compaction
+// at rev, which it learns within --compaction-probe-interval when the
+// compaction was not sent through it.
+func (px *proxyProc) waitCompactRevision(t testing.TB, rev int64) {
+	t.Helper()
+	waitUntil(t, 10*time.Second, fmt.Sprintf("the proxy to mirror compaction at %d", rev), func() (bool, error) {
+		v, err := px.metric("compact_revision")
+		if err != nil {
+			return false, err
+		}
+		if int64(v) < rev {
+			return false, fmt.Errorf("compact_revision %v", v)
+		}
+		return true, nil
+	}, px.process)
+}
+
+// lineReader reads a child's output line by line, with a deadline per read.
+type lineReader struct {
+	lines chan string
+	err   error // why lines was closed; read after it is
+	mu    sync.Mutex
+	all   []string
+}
+
+func newLineReader(r io.Reader) *lineReader {
+	lr := &lineReader{lines: make(chan string, 1024)}
+	go func() {
+		sc := bufio.NewScanner(r)
+		sc.Buffer(make([]byte, 1<<20), 16<<20)
+		for sc.Scan() {
+			lr.lines <- sc.Text()
+		}
+		lr.err = sc.Err()
+		if lr.err == nil {
+			lr.err = io.EOF
+		}
+		close(lr.lines)
+	}()
+	return lr
+}
+
+var errTimeout = errors.New("timed out")
+
+// next returns the next line, or an error at EOF or when deadline passes.
+func (lr *lineReader) next(deadline time.Time) (string, error) {
+	timer := time.NewTimer(time.Until(deadline))
+	defer timer.Stop()
+	select {
+	case l, ok := <-lr.lines:
+		if !ok {
+			return "", lr.err
+		}
+		lr.mu.Lock()
+		lr.all = append(lr.all, l)
+		lr.mu.Unlock()
+		return l, nil
+	case <-timer.C:
+		return "", errTimeout
+	}
+}
