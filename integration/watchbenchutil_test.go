@@ -222,9 +222,10 @@ func wbDial(addr string, n int) ([]*grpc.ClientConn, error) {
 	return conns, nil
 }
 
-// wbLiveHeap is the heap the last GC found live, without stopping the world.
-func wbLiveHeap() uint64 {
-	s := []metrics.Sample{{Name: "/gc/heap/live:bytes"}}
+// wbHeapObjects is runtime.MemStats.HeapAlloc (live objects and garbage
+// not yet swept), without stopping the world.
+func wbHeapObjects() uint64 {
+	s := []metrics.Sample{{Name: "/memory/classes/heap/objects:bytes"}}
 	metrics.Read(s)
 	if s[0].Value.Kind() != metrics.KindUint64 {
 		return 0
