@@ -128,6 +128,9 @@ func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeRespon
 	if err := checkRangeRequest(r); err != nil {
 		return nil, err
 	}
+	if err := s.checkLeader(ctx); err != nil {
+		return nil, err
+	}
 	view, reason, err := s.route(ctx, r)
 	if err != nil {
 		return s.answerWithout(ctx, r, reason, err)
@@ -298,6 +301,23 @@ func rangeOptionsFor(version string) revtree.RangeOptions {
 		return revtree.RangeOptions{KeysOnlyWithoutLease: true} // assume the release we are built with
 	}
 	return revtree.RangeOptions{KeysOnlyWithoutLease: !v.LessThan(semver.Version{Major: 3, Minor: 7})}
+}
+
+// checkLeader refuses a request that requires a leader (hasleader
+// metadata, as clientv3.WithRequireLeader sets) while etcd reports having
+// none, as etcd's own interceptor does for every request.
+func (s *Server) checkLeader(ctx context.Context) error {
+	md, ok := metadata.FromIncomingContext(ctx)
+	if !ok {
+		return nil
+	}
+	if v := md.Get(rpctypes.MetadataRequireLeaderKey); len(v) == 0 || v[0] != rpctypes.MetadataHasLeader {
+		return nil
+	}
+	if lost, _ := s.follower.LeaderLost(); lost {
+		return rpctypes.ErrGRPCNoLeader
+	}
+	return nil
 }
 
 // hasAuthToken reports whether the caller authenticated with a token.

@@ -31,6 +31,9 @@ func (s *Server) RangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServ
 	if err := checkRangeStreamRequest(r); err != nil {
 		return err
 	}
+	if err := s.checkLeader(stream.Context()); err != nil {
+		return err
+	}
 	if !s.rangeOptions().KeysOnlyWithoutLease {
 		// Before 3.7 etcd has no RangeStream; let it say so.
 		s.m.observe(sourceForwarded, "rangestream_unsupported")
