@@ -58,9 +58,13 @@ func StartEmbedded(cfg EmbeddedConfig) (*embed.Etcd, error) {
 		ec.MaxRequestBytes = cfg.MaxRequestBytes
 	}
 	ec.LogLevel = "error"
+	// Without a logger of the caller's (tests), etcd stays quiet: it logs
+	// every listener it closes at shutdown as an error.
+	lg := zap.NewNop()
 	if cfg.Logger != nil {
-		ec.ZapLoggerBuilder = embed.NewZapLoggerBuilder(cfg.Logger.Named("etcd"))
+		lg = cfg.Logger.Named("etcd")
 	}
+	ec.ZapLoggerBuilder = embed.NewZapLoggerBuilder(lg)
 	e, err := embed.StartEtcd(ec)
 	if err != nil {
 		return nil, fmt.Errorf("starting embedded etcd: %w", err)
