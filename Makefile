@@ -13,7 +13,7 @@ TEST_TIMEOUT ?= 20m
 BENCH        ?= .
 BENCHTIME    ?= 2s
 
-.PHONY: all build run test vet bench clean
+.PHONY: all build run test vet bench clean tools tools-etcd tools-kube integration integration-clients
 
 all: build
 
@@ -33,6 +33,25 @@ vet:
 test: vet
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./...
 	cd integration/robustness && $(GO) vet ./... && $(GO) test -race -count=1 -timeout 10m ./...
+
+# etcd, etcdctl and kube-apiserver, built from the Go module proxy into
+# .tools/bin; rebuilt only when tools/*/go.mod or go.sum, the flags or the Go
+# version change.
+tools: tools-etcd tools-kube
+
+tools-etcd:
+	tools/build.sh etcd
+
+tools-kube:
+	tools/build.sh kube
+
+# End-to-end suites with real clients as separate processes: a script of
+# etcdctl commands against etcd and against the proxy, and an unmodified
+# kube-apiserver using the proxy (watch cache off and on).
+integration: integration-clients
+
+integration-clients: build tools
+	cd integration/clients && $(GO) vet ./... && $(GO) test -count=1 -timeout 30m ./...
 
 # Benchmarks: the store alone, and the proxy beside direct etcd in one run.
 bench:

@@ -19,5 +19,7 @@
 //
 // The binaries are found through $ETCD_BIN, $ETCDCTL_BIN, $KUBE_APISERVER_BIN
 // and $SNAPCACHE_BIN, or else in ../../.tools/bin and ../../bin. A missing
-// binary fails the test with the command that builds it.
+// binary fails the test with the command that builds it. Set
+// $CLIENTS_LOG_DIR to keep every process's log (etcd, proxy,
+// kube-apiserver) under that directory, one subdirectory per test.
 package clients

@@ -13,7 +13,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -40,11 +39,11 @@ func binary(t testing.TB, env, rel, build string) string {
 }
 
 func etcdBin(t testing.TB) string {
-	return binary(t, "ETCD_BIN", "../../.tools/bin/etcd", "make tools-etcd")
+	return binary(t, "ETCD_BIN", "../../.tools/bin/etcd", "make tools-etcd` (that is, `tools/build.sh etcd`")
 }
 
 func etcdctlBin(t testing.TB) string {
-	return binary(t, "ETCDCTL_BIN", "../../.tools/bin/etcdctl", "make tools-etcd")
+	return binary(t, "ETCDCTL_BIN", "../../.tools/bin/etcdctl", "make tools-etcd` (that is, `tools/build.sh etcd`")
 }
 
 func snapcacheBin(t testing.TB) string {
@@ -52,7 +51,7 @@ func snapcacheBin(t testing.TB) string {
 }
 
 func kubeAPIServerBin(t testing.TB) string {
-	return binary(t, "KUBE_APISERVER_BIN", "../../.tools/bin/kube-apiserver", "make tools-kube")
+	return binary(t, "KUBE_APISERVER_BIN", "../../.tools/bin/kube-apiserver", "make tools-kube` (that is, `tools/build.sh kube`")
 }
 
 // freePorts returns n distinct free TCP ports on 127.0.0.1. All listeners are
@@ -111,11 +110,29 @@ func startProcess(t testing.TB, name, bin string, args []string, env ...string) 
 	}()
 	t.Cleanup(func() {
 		p.stop(t)
+		p.keepLog(t)
 		if t.Failed() {
 			t.Logf("--- last lines of %s's log (%s):\n%s", name, logPath, p.tail(60))
 		}
 	})
 	return p
+}
+
+// keepLog copies the log to $CLIENTS_LOG_DIR/<test>/<name>.log, if that
+// variable is set, so that CI can keep every process's log.
+func (p *process) keepLog(t testing.TB) {
+	dir := os.Getenv("CLIENTS_LOG_DIR")
+	if dir == "" {
+		return
+	}
+	dir = filepath.Join(dir, strings.NewReplacer("/", "_", "=", "-").Replace(t.Name()))
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Logf("keeping %s's log: %v", p.name, err)
+		return
+	}
+	if err := os.WriteFile(filepath.Join(dir, p.name+".log"), []byte(p.log()), 0o644); err != nil {
+		t.Logf("keeping %s's log: %v", p.name, err)
+	}
 }
 
 func (p *process) exited() bool {
@@ -284,6 +301,27 @@ func (px *proxyProc) metric(name string) (float64, error) {
 	return 0, fmt.Errorf("metric %s not found", full)
 }
 
+// metricLines returns the proxy's metric lines whose name starts with
+// etcd_snapcache_<prefix>, without comments.
+func (px *proxyProc) metricLines(prefix string) ([]string, error) {
+	resp, err := plainHTTP.Get("http://" + px.metricsAddr + "/metrics")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for l := range strings.SplitSeq(string(b), "\n") {
+		if strings.HasPrefix(l, "etcd_snapcache_"+prefix) {
+			out = append(out, l)
+		}
+	}
+	return out, nil
+}
+
 // waitCompactRevision waits until the proxy has mirrored etcd's compaction
 // at rev, which it learns within --compaction-probe-interval when the
 // compaction was not sent through it.
@@ -305,8 +343,6 @@ func (px *proxyProc) waitCompactRevision(t testing.TB, rev int64) {
 type lineReader struct {
 	lines chan string
 	err   error // why lines was closed; read after it is
-	mu    sync.Mutex
-	all   []string
 }
 
 func newLineReader(r io.Reader) *lineReader {
@@ -337,9 +373,6 @@ func (lr *lineReader) next(deadline time.Time) (string, error) {
 		if !ok {
 			return "", lr.err
 		}
-		lr.mu.Lock()
-		lr.all = append(lr.all, l)
-		lr.mu.Unlock()
 		return l, nil
 	case <-timer.C:
 		return "", errTimeout
