@@ -1,0 +1,73 @@
+package kvproxy
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+)
+
+// TestForwardedReadsAreBounded: with every forwarding slot taken, a read
+// waits for one up to its deadline and then fails with Unavailable, instead
+// of adding to etcd's load; a freed slot is taken at once.
+func TestForwardedReadsAreBounded(t *testing.T) {
+	s := &Server{forwards: make(chan struct{}, 2)}
+	release1, err := s.acquireForward(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	release2, err := s.acquireForward(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	if _, err := s.acquireForward(ctx); !errors.Is(err, errOverload) {
+		t.Fatalf("third read with both slots taken: %v, want %v", err, errOverload)
+	}
+	got := make(chan error, 1)
+	go func() {
+		release, err := s.acquireForward(context.Background())
+		if err == nil {
+			release()
+		}
+		got <- err
+	}()
+	release1()
+	if err := <-got; err != nil {
+		t.Fatalf("read after a slot was freed: %v", err)
+	}
+	release2()
+}
+
+// TestIsSmall: what is delegated to etcd while the cache loads.
+func TestIsSmall(t *testing.T) {
+	for _, tc := range []struct {
+		r    *pb.RangeRequest
+		want bool
+	}{
+		{&pb.RangeRequest{Key: []byte("k")}, true},
+		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), Limit: 1}, true},
+		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), Limit: SmallReadLimit}, true},
+		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), CountOnly: true}, true},
+		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), Limit: SmallReadLimit + 1}, false},
+		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z")}, false},
+		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), Limit: -1}, false},
+	} {
+		if got := isSmall(tc.r); got != tc.want {
+			t.Errorf("isSmall(%v) = %v, want %v", tc.r, got, tc.want)
+		}
+	}
+}
+
+// TestRangeOptionsFollowTheUpstreamRelease: etcd 3.7 drops the lease from
+// keys-only results, 3.6 keeps it.
+func TestRangeOptionsFollowTheUpstreamRelease(t *testing.T) {
+	for v, want := range map[string]bool{"3.7.3": true, "3.7.0": true, "3.8.0-alpha.0": true, "3.6.16": false, "3.5.21": false, "": true} {
+		if got := rangeOptionsFor(v).KeysOnlyWithoutLease; got != want {
+			t.Errorf("version %q: KeysOnlyWithoutLease %v, want %v", v, got, want)
+		}
+	}
+}
