@@ -103,6 +103,13 @@ func (r *relay) Cut() int {
 	return n
 }
 
+// Conns returns how many connections the relay relays.
+func (r *relay) Conns() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.conns) / 2
+}
+
 // Restore connects the held connections to etcd and relays new ones
 // again. It returns how many connections were held.
 func (r *relay) Restore() int {

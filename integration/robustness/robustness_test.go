@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -34,12 +35,16 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
 
-// The shape of a run: traffic for trafficDuration; faultAt into it the
-// proxy is partitioned from etcd (its upstream connection cut), and the
-// partition heals faultFor later.
+// The shape of a run: traffic for faultAt, then a fault (see fault); once
+// the fault is over and the proxy reaches etcd again, traffic for
+// afterFault. A restart of etcd lasts about 7s: embed.Etcd.Close waits its
+// request timeout (5s + 2 election timeouts) for the proxy's upstream
+// watch and lease keepalive streams, which a graceful stop does not end;
+// and the proxy's reconnection waits out gRPC's connection backoff (up to
+// 5s, grown by the attempts refused while etcd was closing).
 const (
-	trafficDuration = 8 * time.Second
-	faultAt         = 3 * time.Second
+	faultAt    = 2 * time.Second
+	afterFault = 2 * time.Second
 	// faultFor is the length of the partition. While it lasts, writes
 	// fail or time out with an outcome unknown to the client, and each
 	// such write widens the linearization search: the Kubernetes
@@ -74,12 +79,36 @@ var profile = traffic.Profile{
 	Compaction: &traffic.CompactionDefault,
 }
 
+// fault is what goes wrong during the recording.
+type fault int
+
+const (
+	// cutUpstream partitions the proxy from etcd for faultFor: the relay
+	// closes the proxy's upstream connections and holds new ones.
+	cutUpstream fault = iota
+	// restartEtcd closes etcd (gracefully, as on SIGTERM: embed.Etcd.Close)
+	// and starts it again on the same data directory and URLs; the proxy
+	// reconnects to the same address by itself, through the relay.
+	restartEtcd
+)
+
+func (f fault) String() string {
+	switch f {
+	case cutUpstream:
+		return "CutUpstream"
+	case restartEtcd:
+		return "RestartEtcd"
+	}
+	return fmt.Sprintf("fault(%d)", int(f))
+}
+
 // TestRobustness records Kubernetes-shaped and etcd-shaped traffic through
 // the proxy with etcd's robustness framework, with compactions, watches and
-// a cut of the proxy's upstream connection, and requires every validation
-// of the framework to succeed: linearization of the KV history, the watch
-// guarantees, and the historical (serializable) reads replayed against the
-// requests persisted in etcd's WAL.
+// a fault (a cut of the proxy's upstream connection, or a restart of etcd),
+// and requires every validation of the framework to succeed: linearization
+// of the KV history, the watch guarantees, and the historical
+// (serializable) reads replayed against the requests persisted in etcd's
+// WAL.
 func TestRobustness(t *testing.T) {
 	// The framework's 200ms per-request timeout is sized for etcd without
 	// the race detector; here a request that times out is a write of
@@ -95,24 +124,44 @@ func TestRobustness(t *testing.T) {
 		{"EtcdPutDeleteLease", traffic.EtcdPutDeleteLease},
 	} {
 		t.Run(sc.name, func(t *testing.T) {
-			testRobustness(t, sc.traffic)
+			for _, f := range []fault{cutUpstream, restartEtcd} {
+				t.Run(f.String(), func(t *testing.T) {
+					testRobustness(t, sc.traffic, f)
+				})
+			}
 		})
 	}
 }
 
 // env is an embedded etcd with the proxy in front of it, through a relay.
 type env struct {
-	dataDir  string
-	etcd     *embed.Etcd
-	relay    *relay
-	proxy    *server.Server
-	stopOnce sync.Once
+	dataDir string
+	// etcdConfig starts etcd, at the start and on a restart: the same
+	// data directory and the same client and peer URLs.
+	etcdConfig server.EmbeddedConfig
+	relay      *relay
+	proxy      *server.Server
+
+	mu sync.Mutex
+	// etcd is the running etcd; nil once closed and not (yet) started
+	// again, so that it is closed once (embed.Etcd.Close panics when
+	// called twice).
+	etcd    *embed.Etcd
+	stopped bool
 }
 
 func newEnv(t *testing.T, lg *zap.Logger) *env {
 	t.Helper()
 	en := &env{dataDir: t.TempDir()}
-	e, err := server.StartEmbedded(server.EmbeddedConfig{Dir: en.dataDir, Logger: lg})
+	// Fixed ports rather than 0, so that a restarted etcd has the same
+	// configuration and listens where the relay dials.
+	en.etcdConfig = server.EmbeddedConfig{
+		Dir:       en.dataDir,
+		ClientURL: "http://" + freeAddr(t),
+		PeerURL:   "http://" + freeAddr(t),
+		Logger:    lg,
+	}
+	e, err := server.StartEmbedded(en.etcdConfig)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -143,18 +192,57 @@ func newEnv(t *testing.T, lg *zap.Logger) *env {
 	return en
 }
 
+// freeAddr returns a loopback address with a port free at the time.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
 // stop stops the proxy, then etcd, so that etcd's WAL is complete and
 // closed before it is read.
 func (en *env) stop() {
-	en.stopOnce.Do(func() {
-		if en.proxy != nil {
-			en.proxy.Stop()
-		}
+	en.mu.Lock()
+	defer en.mu.Unlock()
+	if en.stopped {
+		return
+	}
+	en.stopped = true
+	if en.proxy != nil {
+		en.proxy.Stop()
+	}
+	if en.etcd != nil {
 		en.etcd.Close()
-	})
+		en.etcd = nil
+	}
 }
 
-func testRobustness(t *testing.T, tf traffic.Traffic) {
+// restartEtcd closes etcd and starts it again with the same configuration,
+// and returns once it serves again (StartEmbedded waits for that, up to a
+// minute). It returns how long the close took.
+func (en *env) restartEtcd() (closing time.Duration, err error) {
+	en.mu.Lock()
+	defer en.mu.Unlock()
+	if en.stopped || en.etcd == nil {
+		return 0, errors.New("etcd is not running")
+	}
+	start := time.Now()
+	en.etcd.Close()
+	en.etcd = nil
+	closing = time.Since(start)
+	e, err := server.StartEmbedded(en.etcdConfig)
+	if err != nil {
+		return closing, fmt.Errorf("restarting etcd: %w", err)
+	}
+	en.etcd = e
+	return closing, nil
+}
+
+func testRobustness(t *testing.T, tf traffic.Traffic, f fault) {
 	// The framework's own logs at info; etcd's and the proxy's at warn
 	// (they log every broken connection and retry during the fault).
 	lg := zaptest.NewLogger(t, zaptest.Level(zap.InfoLevel))
@@ -178,7 +266,7 @@ func testRobustness(t *testing.T, tf traffic.Traffic) {
 		}
 	}()
 
-	rec := record(t, lg, en, endpoints, tf)
+	rec := record(t, lg, en, endpoints, tf, f)
 	r.SetClientReports(rec.reports)
 
 	// The proxy's metrics show that the proxy, not etcd, answered reads,
@@ -313,16 +401,24 @@ func explainLinearization(t *testing.T, reports []report.ClientReport, persisted
 type recording struct {
 	reports              []report.ClientReport
 	start, end           time.Duration // of the traffic, since the base time
+	fault                fault
 	faultStart, faultEnd time.Duration
-	connsCut             int
-	maxRevision          int64
+	// connsCut is how many relayed connections the fault closed: the relay
+	// closed them (cutUpstream), or etcd did as it shut down (restartEtcd).
+	connsCut int
+	// etcdClose is how long etcd took to close (restartEtcd).
+	etcdClose time.Duration
+	// reconnected is when a read through the proxy reached etcd after the
+	// fault.
+	reconnected time.Duration
+	maxRevision int64
 }
 
 // record drives the traffic through the proxy, as the framework's
 // runScenario and traffic.SimulateTraffic do (they take an
 // e2e.EtcdProcessCluster; the functions they call take endpoints), and
 // collects every event with whole-keyspace watches through the proxy.
-func record(t *testing.T, lg *zap.Logger, en *env, endpoints []string, tf traffic.Traffic) *recording {
+func record(t *testing.T, lg *zap.Logger, en *env, endpoints []string, tf traffic.Traffic, f fault) *recording {
 	ctx, cancel := context.WithTimeout(t.Context(), runTimeout)
 	defer cancel()
 
@@ -339,7 +435,7 @@ func record(t *testing.T, lg *zap.Logger, en *env, endpoints []string, tf traffi
 		t.Fatal(err)
 	}
 
-	rec := &recording{}
+	rec := &recording{fault: f}
 	maxRevisionChan := make(chan int64, 1)
 	var g errgroup.Group
 	g.Go(func() error {
@@ -372,10 +468,15 @@ func record(t *testing.T, lg *zap.Logger, en *env, endpoints []string, tf traffi
 	w := traffic.CalculateWatchStats(rec.reports, rec.start, rec.end)
 	recovered := "never"
 	if at, ok := firstWriteAfter(rec.reports, rec.faultEnd); ok {
-		recovered = fmt.Sprintf("%v after the restore", (at - rec.faultEnd).Round(time.Millisecond))
+		recovered = fmt.Sprintf("%v after the end of the fault", (at - rec.faultEnd).Round(time.Millisecond))
 	}
-	t.Logf("fault from %v to %v: %d upstream connections cut; first write acknowledged %s; %d writes failed (outcome unknown to the client)",
-		rec.faultStart.Round(time.Millisecond), rec.faultEnd.Round(time.Millisecond), rec.connsCut, recovered, failedWrites(rec.reports))
+	closing := ""
+	if rec.fault == restartEtcd {
+		closing = fmt.Sprintf(" (etcd took %v to close)", rec.etcdClose.Round(time.Millisecond))
+	}
+	t.Logf("%v from %v to %v%s: %d upstream connections cut; the proxy reached etcd %v after the end of the fault; first write acknowledged %s; %d writes failed (outcome unknown to the client)",
+		rec.fault, rec.faultStart.Round(time.Millisecond), rec.faultEnd.Round(time.Millisecond), closing,
+		rec.connsCut, (rec.reconnected - rec.faultEnd).Round(time.Millisecond), recovered, failedWrites(rec.reports))
 	t.Logf("traffic over %v: %d successes, %d failures, %.1f qps; before the fault %.1f qps, during %d/%d failed, after %.1f qps",
 		kv.Period.Round(time.Millisecond), kv.Successes, kv.Failures, kv.QPS(), before.QPS(),
 		during.Failures, during.Successes+during.Failures, after.QPS())
@@ -441,10 +542,10 @@ func simulateTraffic(ctx context.Context, lg *zap.Logger, en *env, endpoints []s
 		return err
 	}
 
-	// The fault: a partition between the proxy and etcd. The proxy loses
-	// its upstream watch, forwarded requests and quorum reads, then gets
-	// them back. The timers bound the phases of the traffic; nothing waits
-	// on them for synchronisation.
+	// The fault: a partition between the proxy and etcd, or a restart of
+	// etcd. The proxy loses its upstream watch, forwarded requests and
+	// quorum reads, then gets them back. The timers bound the phases of
+	// the traffic; nothing waits on them for synchronisation.
 	phase := func(d time.Duration) bool {
 		tm := time.NewTimer(d)
 		defer tm.Stop()
@@ -457,13 +558,34 @@ func simulateTraffic(ctx context.Context, lg *zap.Logger, en *env, endpoints []s
 	}
 	ok := phase(faultAt)
 	rec.faultStart = time.Since(clientSet.BaseTime())
-	rec.connsCut = en.relay.Cut()
-	lg.Info("Cut the proxy's upstream connections", zap.Int("connections", rec.connsCut))
-	ok = ok && phase(faultFor)
-	held := en.relay.Restore()
+	switch rec.fault {
+	case cutUpstream:
+		rec.connsCut = en.relay.Cut()
+		lg.Info("Cut the proxy's upstream connections", zap.Int("connections", rec.connsCut))
+		ok = ok && phase(faultFor)
+		held := en.relay.Restore()
+		lg.Info("Restored the proxy's upstream", zap.Int("held-connections", held))
+	case restartEtcd:
+		// Every relayed connection open now ends with etcd.
+		rec.connsCut = en.relay.Conns()
+		lg.Info("Restarting etcd", zap.Int("connections", rec.connsCut))
+		var err error
+		rec.etcdClose, err = en.restartEtcd()
+		if err != nil {
+			stop()
+			return err
+		}
+		lg.Info("Restarted etcd", zap.Duration("close", rec.etcdClose))
+	}
 	rec.faultEnd = time.Since(clientSet.BaseTime())
-	lg.Info("Restored the proxy's upstream", zap.Int("held-connections", held))
-	ok = ok && phase(trafficDuration-faultAt-faultFor)
+	// Traffic goes on while a read that does not enter the history waits
+	// for the proxy to reach etcd again.
+	if err := waitUpstream(ctx, endpoints); err != nil {
+		stop()
+		return err
+	}
+	rec.reconnected = time.Since(clientSet.BaseTime())
+	ok = ok && phase(afterFault)
 	stop()
 	rec.end = time.Since(clientSet.BaseTime())
 	lg.Info("Finished traffic")
@@ -638,7 +760,7 @@ func checkCoverage(t *testing.T, rec *recording, m counters, persisted []model.E
 		t.Errorf("the proxy served nothing itself: %v cache ranges, %v compactions mirrored, %v watch events sent", m[cacheRanges], m[mirrored], m[sent])
 	}
 	if rec.connsCut == 0 || m[restarts]+m[reloads] == 0 {
-		t.Errorf("the fault did not reach the proxy: %d connections cut, %v upstream watch restarts, %v reloads", rec.connsCut, m[restarts], m[reloads])
+		t.Errorf("the fault (%v) did not reach the proxy: %d connections cut, %v upstream watch restarts, %v reloads", rec.fault, rec.connsCut, m[restarts], m[reloads])
 	}
 }
 
