@@ -158,16 +158,20 @@ func (c *cluster) etcdCompactRev(tb testing.TB) int64 {
 	return max(resp.CompactRevision, 0)
 }
 
-// waitFor polls cond until it holds or the deadline passes: the proxy's
-// state is observed, not synchronised on with sleeps.
+// waitFor checks cond every millisecond until it holds, failing after 30 s:
+// the proxy's state is observed, not assumed after a pause.
 func waitFor(tb testing.TB, what string, cond func() bool) {
 	tb.Helper()
-	deadline := time.Now().Add(30 * time.Second)
+	deadline := time.NewTimer(30 * time.Second)
+	defer deadline.Stop()
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
 	for !cond() {
-		if time.Now().After(deadline) {
+		select {
+		case <-tick.C:
+		case <-deadline.C:
 			tb.Fatalf("timed out waiting for %s", what)
 		}
-		time.Sleep(time.Millisecond) // poll interval of a condition wait, not a synchronisation
 	}
 }
 

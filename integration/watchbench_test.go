@@ -300,9 +300,14 @@ func watchFanoutOnce(b *testing.B, c *cluster, addr string, viaProxy bool, hists
 	b.StartTimer()
 	cpu0, cpuOK0 := processCPU()
 	writeStart := time.Now()
+	var pace *time.Ticker // writes paced at a fixed rate, if asked
+	if iv := *wbWriteInterval; iv > 0 {
+		pace = time.NewTicker(iv)
+		defer pace.Stop()
+	}
 	for i := range writes {
-		if iv := *wbWriteInterval; iv > 0 {
-			time.Sleep(time.Until(writeStart.Add(time.Duration(i) * iv))) // pacing, not synchronisation
+		if pace != nil && i > 0 {
+			<-pace.C
 		}
 		v := wbValue(i, time.Since(base), pad)
 		if _, err := c.directKV.Put(context.Background(), &pb.PutRequest{Key: wbKey(i), Value: v}); err != nil {

@@ -123,11 +123,14 @@ func TestHeadProbeVerdicts(t *testing.T) {
 	}
 }
 
-// waitQueued waits until n readers are parked on the queued probe. It reads
-// the probe's state under its lock; it does not sleep to synchronise.
+// waitQueued waits until n readers are parked on the queued probe, reading
+// the probe's state under its lock every millisecond.
 func waitQueued(t *testing.T, p *headProbe, n int) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.NewTimer(10 * time.Second)
+	defer deadline.Stop()
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
 	for {
 		p.mu.Lock()
 		queued := p.next != nil && p.next.waiters == n
@@ -135,9 +138,10 @@ func waitQueued(t *testing.T, p *headProbe, n int) {
 		if queued {
 			return
 		}
-		if time.Now().After(deadline) {
+		select {
+		case <-tick.C:
+		case <-deadline.C:
 			t.Fatalf("%d readers never queued behind the probe in flight", n)
 		}
-		time.Sleep(time.Millisecond) // poll interval of a condition wait
 	}
 }
