@@ -11,17 +11,35 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 
-	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
 // DefaultInterval between periodic checks.
 const DefaultInterval = 5 * time.Minute
 
+// Follower is what the checker needs of the upstream follower
+// (progress.Follower).
+type Follower interface {
+	// IsReady reports whether the first load has caught up.
+	IsReady() bool
+	// Changed returns a channel closed the next time the store advances or
+	// is reloaded.
+	Changed() <-chan struct{}
+	// Loads counts the loads of the keyspace completed.
+	Loads() int64
+	// Reload has the keyspace loaded again; reason labels the metric.
+	Reload(reason string)
+}
+
+// Store is what the checker reads of the cache (revtree.Store).
+type Store interface {
+	View(rev int64) (revtree.View, error)
+}
+
 // Config configures a Checker.
 type Config struct {
-	Store    *revtree.Store
-	Follower *progress.Follower
+	Store    Store
+	Follower Follower
 	// Upstream is etcd's KV service.
 	Upstream pb.KVClient
 	// Interval between checks (DefaultInterval if 0).
@@ -35,12 +53,12 @@ type Config struct {
 type Checker struct {
 	cfg      Config
 	lg       *zap.Logger
-	fallback atomic.Bool
+	fallback atomic.Bool // set by a failed check, cleared by a passing one
 	checks   *prometheus.CounterVec
 	// failedAt is the follower's load count when a check failed: the next
 	// check waits for the reload that follows.
 	failedAt atomic.Int64
-	failed   chan struct{} // wakes Run after a failed check
+	failed   chan struct{} // buffered 1: wakes Run after a failed check made by Check's other callers
 }
 
 // New returns a Checker; call Run to check periodically.
@@ -127,7 +145,7 @@ func (c *Checker) Check(ctx context.Context) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	res, err := Compare(view.Rev, CacheEntries(view), RangeEntries(ctx, c.cfg.Upstream, view.Rev))
+	res, err := Compare(view.Rev, cacheEntries(view), RangeEntries(ctx, c.cfg.Upstream, view.Rev))
 	switch {
 	case err != nil:
 		c.checks.WithLabelValues("error").Inc()

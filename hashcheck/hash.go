@@ -15,9 +15,9 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
-// PageSize is the limit of each keys-only page read from etcd, as
+// pageSize is the limit of each keys-only page read from etcd, as
 // kube-apiserver's consistency checker lists.
-const PageSize = 10000
+const pageSize = 10000
 
 // Entry is one key and its mod_revision.
 type Entry struct {
@@ -38,8 +38,8 @@ type Result struct {
 // revisions.
 func (r Result) Match() bool { return r.FirstDiff == "" && r.CacheHash == r.EtcdHash }
 
-// CacheEntries walks every key of a view of the store, in key order.
-func CacheEntries(v revtree.View) iter.Seq2[Entry, error] {
+// cacheEntries walks every key of a view of the store, in key order.
+func cacheEntries(v revtree.View) iter.Seq2[Entry, error] {
 	return func(yield func(Entry, error) bool) {
 		v.Ascend([]byte{0}, nil, func(kv *mvccpb.KeyValue) bool {
 			return yield(Entry{Key: kv.Key, ModRevision: kv.ModRevision}, nil)
@@ -48,12 +48,12 @@ func CacheEntries(v revtree.View) iter.Seq2[Entry, error] {
 }
 
 // RangeEntries walks every key at rev through an etcd KV API (etcd's, or the
-// proxy's) with keys-only Ranges of PageSize keys, in key order.
+// proxy's) with keys-only Ranges of pageSize keys, in key order.
 func RangeEntries(ctx context.Context, kv pb.KVClient, rev int64) iter.Seq2[Entry, error] {
 	return func(yield func(Entry, error) bool) {
 		key := []byte{0}
 		for {
-			resp, err := kv.Range(ctx, &pb.RangeRequest{Key: key, RangeEnd: []byte{0}, Revision: rev, Limit: PageSize, KeysOnly: true})
+			resp, err := kv.Range(ctx, &pb.RangeRequest{Key: key, RangeEnd: []byte{0}, Revision: rev, Limit: pageSize, KeysOnly: true})
 			if err != nil {
 				yield(Entry{}, fmt.Errorf("reading keys at revision %d: %w", rev, err))
 				return

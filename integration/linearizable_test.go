@@ -13,6 +13,7 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 
+	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
 
@@ -76,14 +77,17 @@ func TestNoStaleLinearizableRead(t *testing.T) {
 }
 
 // TestFreshnessTimeout: when freshness cannot be proven in time, a
-// linearizable read goes to etcd and is counted; with FailUnproven it fails
+// linearizable read goes to etcd and is counted; with
+// --consistent-read-fallback=fail it fails
 // with Unavailable instead. A nanosecond timeout makes every proof late.
 func TestFreshnessTimeout(t *testing.T) {
 	for _, fail := range []bool{false, true} {
 		t.Run(fmt.Sprintf("fail=%v", fail), func(t *testing.T) {
 			c := newCluster(t, clusterOptions{configure: func(cfg *server.Config) {
 				cfg.FreshnessTimeout = time.Nanosecond
-				cfg.FailUnprovenReads = fail
+				if fail {
+					cfg.ConsistentReadFallback = kvproxy.FallbackFail
+				}
 			}})
 			if _, err := c.direct.Put(context.Background(), "k", "v"); err != nil {
 				t.Fatal(err)

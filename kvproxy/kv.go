@@ -2,12 +2,9 @@ package kvproxy
 
 import (
 	"context"
-	"errors"
-	"strings"
-	"sync"
+	"fmt"
 	"time"
 
-	"github.com/coreos/go-semver/semver"
 	"go.uber.org/zap"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -16,7 +13,6 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
-	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -28,12 +24,12 @@ const DefaultRevisionWait = time.Second
 // proof that the store is fresh, as kube-apiserver waits for its cache.
 const DefaultFreshnessTimeout = 3 * time.Second
 
-// SmallReadLimit is the largest limit of a read forwarded to etcd while the
-// cache loads: GETs, kube-apiserver's revision probe (limit 1), health checks.
-const SmallReadLimit = 100
-
 // DefaultMaxForwardedReads bounds the reads in flight to etcd at once.
 const DefaultMaxForwardedReads = 128
+
+// smallReadLimit is the largest limit of a read forwarded to etcd while the
+// cache loads: GETs, kube-apiserver's revision probe (limit 1), health checks.
+const smallReadLimit = 100
 
 // maxForwardQueueWait bounds how long a read waits for a forwarding slot
 // when its own context has no deadline.
@@ -42,16 +38,67 @@ const maxForwardQueueWait = 5 * time.Second
 var (
 	errLoading  = status.Error(codes.Unavailable, "etcd-snapcache: the cache is loading; only small reads are forwarded meanwhile; retry")
 	errOverload = status.Error(codes.Unavailable, "etcd-snapcache: too many reads forwarded to etcd; retry")
+	// errNotFresh is returned, with FallbackFail, when freshness was not
+	// proven in time.
+	errNotFresh = status.Error(codes.Unavailable, "etcd-snapcache: could not prove the cache fresh in time; retry")
 )
 
-// errNotFresh is returned, with FailUnproven, when freshness was not proven
-// in time.
-var errNotFresh = status.Error(codes.Unavailable, "etcd-snapcache: could not prove the cache fresh in time; retry")
+// ConsistentReadFallback is what a linearizable read does when the cache
+// could not be proven fresh in time: the --consistent-read-fallback flag.
+type ConsistentReadFallback int
+
+const (
+	// FallbackForward sends the read to etcd ("forward").
+	FallbackForward ConsistentReadFallback = iota
+	// FallbackFail fails the read with Unavailable ("fail"): under
+	// overload, falling back multiplies etcd's load (KEP-2340).
+	FallbackFail
+)
+
+// ParseConsistentReadFallback parses the flag's values, forward and fail.
+func ParseConsistentReadFallback(v string) (ConsistentReadFallback, error) {
+	switch v {
+	case "forward":
+		return FallbackForward, nil
+	case "fail":
+		return FallbackFail, nil
+	}
+	return 0, fmt.Errorf("%q: want forward or fail", v)
+}
+
+// Follower is what the KV service needs of the upstream follower
+// (progress.Follower).
+type Follower interface {
+	// Serving reports whether the store answers for etcd (loaded, not
+	// reloading).
+	Serving() bool
+	// WaitRevision waits until the store has applied rev.
+	WaitRevision(ctx context.Context, rev int64) error
+	// Fence proves the store fresh for a linearizable read at rev.
+	Fence(ctx context.Context, rev int64) (int64, error)
+	// FillHeader sets the member fields of a header served from the store.
+	FillHeader(h *pb.ResponseHeader)
+	// ObserveHeader records an upstream response's header.
+	ObserveHeader(h *pb.ResponseHeader)
+	// ObserveCompaction mirrors a compaction etcd acknowledged.
+	ObserveCompaction(rev int64, source string)
+	// UpstreamVersion is etcd's release, "" while unknown.
+	UpstreamVersion() string
+	// LeaderLost reports whether etcd has no leader.
+	LeaderLost() (bool, <-chan struct{})
+}
+
+// Store is what the KV service reads of the cache (revtree.Store).
+type Store interface {
+	Rev() int64
+	CompactRev() int64
+	View(rev int64) (revtree.View, error)
+}
 
 // Config configures a Server.
 type Config struct {
-	Store    *revtree.Store
-	Follower *progress.Follower
+	Store    Store
+	Follower Follower
 	// Upstream is etcd's KV service.
 	Upstream pb.KVClient
 	Logger   *zap.Logger
@@ -62,38 +109,36 @@ type Config struct {
 	// FreshnessTimeout bounds the wait of a linearizable read for proof
 	// that the store is fresh.
 	FreshnessTimeout time.Duration
+	// ConsistentReadFallback is what a linearizable read does when
+	// freshness was not proven in time.
+	ConsistentReadFallback ConsistentReadFallback
 	// MaxForwardedReads bounds the Ranges in flight to etcd at once
 	// (DefaultMaxForwardedReads if 0), so that a reload cannot turn into a
 	// storm of forwarded reads.
 	MaxForwardedReads int
-	// Fallback, if set, reports that every read must go to etcd (the
-	// consistency checker found the store inconsistent).
-	Fallback func() bool
-	// FailUnproven makes a linearizable read that could not be proven
-	// fresh in time fail with Unavailable instead of going to etcd: under
-	// overload, falling back multiplies etcd's load (KEP-2340).
-	FailUnproven bool
+	// Inconsistent, if set, reports that every read must go to etcd: the
+	// consistency checker found the store inconsistent.
+	Inconsistent func() bool
 }
 
 // Server implements etcdserverpb.KVServer.
 type Server struct {
 	pb.UnsafeKVServer
 
-	store    *revtree.Store
-	follower *progress.Follower
-	upstream pb.KVClient
-	lg       *zap.Logger
-	m        *Metrics
-	wait     time.Duration
-	fresh    time.Duration
-	failFast bool
-	fallback func() bool
-	forwards chan struct{} // semaphore of reads in flight to etcd
-
-	optsMu      sync.Mutex
-	optsVersion string
-	opts        revtree.RangeOptions
+	store        Store
+	follower     Follower
+	upstream     pb.KVClient
+	lg           *zap.Logger
+	m            *Metrics
+	wait         time.Duration
+	fresh        time.Duration
+	fallback     ConsistentReadFallback
+	inconsistent func() bool
+	forwards     chan struct{} // semaphore of reads in flight to etcd
+	releases     releaseCache
 }
+
+var _ pb.KVServer = (*Server)(nil)
 
 // New returns a KV server.
 func New(cfg Config) *Server {
@@ -109,17 +154,20 @@ func New(cfg Config) *Server {
 	if cfg.FreshnessTimeout <= 0 {
 		cfg.FreshnessTimeout = DefaultFreshnessTimeout
 	}
+	if cfg.Inconsistent == nil {
+		cfg.Inconsistent = func() bool { return false }
+	}
 	return &Server{
-		store:    cfg.Store,
-		follower: cfg.Follower,
-		upstream: cfg.Upstream,
-		lg:       cfg.Logger,
-		m:        cfg.Metrics,
-		wait:     cfg.RevisionWait,
-		fresh:    cfg.FreshnessTimeout,
-		failFast: cfg.FailUnproven,
-		fallback: cfg.Fallback,
-		forwards: make(chan struct{}, cfg.MaxForwardedReads),
+		store:        cfg.Store,
+		follower:     cfg.Follower,
+		upstream:     cfg.Upstream,
+		lg:           cfg.Logger,
+		m:            cfg.Metrics,
+		wait:         cfg.RevisionWait,
+		fresh:        cfg.FreshnessTimeout,
+		fallback:     cfg.ConsistentReadFallback,
+		inconsistent: cfg.Inconsistent,
+		forwards:     make(chan struct{}, cfg.MaxForwardedReads),
 	}
 }
 
@@ -131,127 +179,44 @@ func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeRespon
 	if err := s.checkLeader(ctx); err != nil {
 		return nil, err
 	}
-	view, reason, err := s.route(ctx, r)
-	if err != nil {
-		return s.answerWithout(ctx, r, reason, err)
+	rules := s.rules()
+	rt := s.route(ctx, r, rules)
+	if rt.action != serveFromCache {
+		release, err := s.settle(ctx, rt)
+		if err != nil {
+			return nil, err
+		}
+		defer release()
+		resp, err := s.upstream.Range(ctx, r)
+		if err == nil {
+			s.follower.ObserveHeader(resp.Header)
+		}
+		return resp, err
 	}
-	s.m.observe(sourceCache, reason)
-	resp := view.Range(r, s.rangeOptions())
+	s.m.observe(sourceCache, rt.reason)
+	resp := rt.view.Range(r, rules.opts)
 	s.follower.FillHeader(resp.Header)
 	return resp, nil
 }
 
-// answerWithout answers a Range the store must not: with etcd's error when
-// the store knows it, else from etcd, or Unavailable when freshness could
-// not be proven and falling back is off.
-func (s *Server) answerWithout(ctx context.Context, r *pb.RangeRequest, reason string, err error) (*pb.RangeResponse, error) {
-	switch {
-	case errors.Is(err, revtree.ErrCompacted):
-		s.m.observe(sourceRejected, reason)
-		return nil, rpctypes.ErrGRPCCompacted
-	case errors.Is(err, revtree.ErrFutureRev):
-		s.m.observe(sourceRejected, reason)
-		return nil, rpctypes.ErrGRPCFutureRev
-	case errors.Is(err, errNotFresh) && s.failFast:
-		s.m.observe(sourceRejected, reason)
-		return nil, errNotFresh
-	case errors.Is(err, errLoading):
-		s.m.observe(sourceRejected, reason)
-		return nil, errLoading
-	case ctx.Err() != nil:
+// settle answers a request the store must not serve: with the refusal the
+// route decided, or with a forwarding slot for the request to go to etcd.
+// It counts the request once, with where it went.
+func (s *Server) settle(ctx context.Context, rt route) (release func(), err error) {
+	if rt.action == refuse {
+		s.m.observe(sourceRejected, rt.reason)
+		return nil, rt.err
+	}
+	if ctx.Err() != nil {
 		return nil, status.FromContextError(ctx.Err()).Err()
 	}
-	s.m.observe(sourceForwarded, reason)
-	return s.forwardRange(ctx, r)
-}
-
-// errForward marks a Range the store must not answer; the reason says why.
-var errForward = errors.New("forward to etcd")
-
-// route picks the snapshot that answers r, or says why the store must not.
-func (s *Server) route(ctx context.Context, r *pb.RangeRequest) (revtree.View, string, error) {
-	switch {
-	case hasAuthToken(ctx):
-		// The store cannot check the caller's permissions; etcd can.
-		return revtree.View{}, "auth", errForward
-	case s.follower.Loading() || !s.follower.IsReady():
-		// KEP-4568: delegate what etcd answers cheaply, refuse the rest
-		// rather than hang or flood etcd.
-		if isSmall(r) {
-			return revtree.View{}, "loading", errForward
-		}
-		return revtree.View{}, "loading", errLoading
-	case s.fallback != nil && s.fallback():
-		return revtree.View{}, "inconsistent", errForward
-	case !r.Serializable:
-		return s.routeLinearizable(ctx, r)
-	}
-	reason, need := "historical", r.Revision
-	if r.Revision <= 0 {
-		// etcd's head is never below its compaction revision; the
-		// store's may be, briefly, when it learns of a compaction before
-		// its watch delivers that revision.
-		reason, need = "serializable", s.store.CompactRev()
-	}
-	if s.store.Rev() < need {
-		wctx, cancel := context.WithTimeout(ctx, s.wait)
-		err := s.follower.WaitRevision(wctx, need)
-		cancel()
-		if err != nil {
-			return revtree.View{}, "ahead", errForward
-		}
-		reason = "waited"
-	}
-	return s.view(r.Revision, reason)
-}
-
-// routeLinearizable serves a linearizable read (etcd reads revision <= 0 as
-// its head) from the store once a read fence proves the store holds every
-// write etcd acknowledged before the read arrived.
-func (s *Server) routeLinearizable(ctx context.Context, r *pb.RangeRequest) (revtree.View, string, error) {
-	fctx, cancel := context.WithTimeout(ctx, s.fresh)
-	_, err := s.follower.Fence(fctx, r.Revision)
-	cancel()
-	switch {
-	case errors.Is(err, progress.ErrCompacted):
-		return revtree.View{}, "compacted", revtree.ErrCompacted
-	case errors.Is(err, progress.ErrFutureRev):
-		return revtree.View{}, "future", revtree.ErrFutureRev
-	case err != nil:
-		reason := "fresh_timeout"
-		if !errors.Is(err, context.DeadlineExceeded) {
-			reason = "fresh_error"
-		}
-		return revtree.View{}, reason, errNotFresh
-	}
-	return s.view(r.Revision, "linearizable")
-}
-
-func (s *Server) view(rev int64, reason string) (revtree.View, string, error) {
-	view, err := s.store.View(rev)
-	switch {
-	case err == nil:
-		return view, reason, nil
-	case errors.Is(err, revtree.ErrCompacted):
-		return revtree.View{}, "compacted", err
-	case errors.Is(err, revtree.ErrNotRetained):
-		return revtree.View{}, "not_retained", errForward
-	default: // ErrNotLoaded; ErrFutureRev cannot follow a wait
-		return revtree.View{}, "not_ready", errForward
-	}
-}
-
-func (s *Server) forwardRange(ctx context.Context, r *pb.RangeRequest) (*pb.RangeResponse, error) {
-	release, err := s.acquireForward(ctx)
+	release, err = s.acquireForward(ctx)
 	if err != nil {
+		s.m.observe(sourceRejected, reasonOverload)
 		return nil, err
 	}
-	defer release()
-	resp, err := s.upstream.Range(ctx, r)
-	if err == nil {
-		s.follower.ObserveHeader(resp.Header)
-	}
-	return resp, err
+	s.m.observe(sourceForwarded, rt.reason)
+	return release, nil
 }
 
 // acquireForward takes one of the slots of reads in flight to etcd, waiting
@@ -271,37 +236,12 @@ func (s *Server) acquireForward(ctx context.Context) (func(), error) {
 	case s.forwards <- struct{}{}:
 		return func() { <-s.forwards }, nil
 	case <-ctx.Done():
-		s.m.observe(sourceRejected, "overload")
 		return nil, errOverload
 	}
 }
 
-// isSmall reports whether etcd answers r cheaply: one key, a small limit,
-// or a count.
-func isSmall(r *pb.RangeRequest) bool {
-	return len(r.RangeEnd) == 0 || r.CountOnly || (r.Limit > 0 && r.Limit <= SmallReadLimit)
-}
-
-// rangeOptions follows the upstream's release: etcd 3.7 drops the lease
-// from keys-only results.
-func (s *Server) rangeOptions() revtree.RangeOptions {
-	v := s.follower.UpstreamVersion()
-	s.optsMu.Lock()
-	defer s.optsMu.Unlock()
-	if v != s.optsVersion {
-		s.optsVersion = v
-		s.opts = rangeOptionsFor(v)
-	}
-	return s.opts
-}
-
-func rangeOptionsFor(version string) revtree.RangeOptions {
-	v, err := semver.NewVersion(strings.TrimPrefix(version, "v"))
-	if err != nil {
-		return revtree.RangeOptions{KeysOnlyWithoutLease: true} // assume the release we are built with
-	}
-	return revtree.RangeOptions{KeysOnlyWithoutLease: !v.LessThan(semver.Version{Major: 3, Minor: 7})}
-}
+// rules are the upstream release's rules for answering from the store.
+func (s *Server) rules() releaseRules { return s.releases.get(s.follower.UpstreamVersion()) }
 
 // checkLeader refuses a request that requires a leader (hasleader
 // metadata, as clientv3.WithRequireLeader sets) while etcd reports having
@@ -318,12 +258,6 @@ func (s *Server) checkLeader(ctx context.Context) error {
 		return rpctypes.ErrGRPCNoLeader
 	}
 	return nil
-}
-
-// hasAuthToken reports whether the caller authenticated with a token.
-func hasAuthToken(ctx context.Context) bool {
-	md, ok := metadata.FromIncomingContext(ctx)
-	return ok && len(md.Get(rpctypes.TokenFieldNameGRPC)) > 0
 }
 
 // checkRangeRequest is etcd's validation (api/v3rpc/key.go), which runs
@@ -379,5 +313,3 @@ func (s *Server) Compact(ctx context.Context, r *pb.CompactionRequest) (*pb.Comp
 	s.follower.ObserveCompaction(r.Revision, "proxy")
 	return resp, nil
 }
-
-var _ pb.KVServer = (*Server)(nil)

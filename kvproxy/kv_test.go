@@ -50,9 +50,9 @@ func TestIsSmall(t *testing.T) {
 	}{
 		{&pb.RangeRequest{Key: []byte("k")}, true},
 		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), Limit: 1}, true},
-		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), Limit: SmallReadLimit}, true},
+		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), Limit: smallReadLimit}, true},
 		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), CountOnly: true}, true},
-		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), Limit: SmallReadLimit + 1}, false},
+		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), Limit: smallReadLimit + 1}, false},
 		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z")}, false},
 		{&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), Limit: -1}, false},
 	} {
@@ -62,12 +62,31 @@ func TestIsSmall(t *testing.T) {
 	}
 }
 
-// TestRangeOptionsFollowTheUpstreamRelease: etcd 3.7 drops the lease from
-// keys-only results, 3.6 keeps it.
-func TestRangeOptionsFollowTheUpstreamRelease(t *testing.T) {
-	for v, want := range map[string]bool{"3.7.3": true, "3.7.0": true, "3.8.0-alpha.0": true, "3.6.16": false, "3.5.21": false, "": true} {
-		if got := rangeOptionsFor(v).KeysOnlyWithoutLease; got != want {
-			t.Errorf("version %q: KeysOnlyWithoutLease %v, want %v", v, got, want)
+// TestReleaseRules: etcd 3.7 drops the lease from keys-only results and
+// serves RangeStream, 3.6 does neither; an unknown release is known to be
+// unknown, so that the reads that depend on it go to etcd.
+func TestReleaseRules(t *testing.T) {
+	for _, tc := range []struct {
+		version                             string
+		known, rangeStream, keysOnlyNoLease bool
+	}{
+		{"3.7.3", true, true, true},
+		{"3.7.0", true, true, true},
+		{"v3.7.1", true, true, true},
+		{"3.8.0-alpha.0", true, true, true},
+		{"3.6.16", true, false, false},
+		{"3.5.21", true, false, false},
+		{"", false, false, false},
+		{"not-a-version", false, false, false},
+	} {
+		got := rulesFor(tc.version)
+		if got.known != tc.known || got.rangeStream != tc.rangeStream || got.opts.KeysOnlyWithoutLease != tc.keysOnlyNoLease {
+			t.Errorf("rulesFor(%q) = %+v, want known %v, rangeStream %v, KeysOnlyWithoutLease %v",
+				tc.version, got, tc.known, tc.rangeStream, tc.keysOnlyNoLease)
 		}
+	}
+	var c releaseCache
+	if c.get("").known || !c.get("3.6.1").known || c.get("3.6.1").rangeStream || !c.get("3.7.3").rangeStream || c.get("").known {
+		t.Error("releaseCache does not follow the version it is asked about")
 	}
 }

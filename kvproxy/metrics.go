@@ -2,14 +2,50 @@ package kvproxy
 
 import "github.com/prometheus/client_golang/prometheus"
 
-// Sources of a Range answer, the "source" label of the ranges metric.
+// source is where a Range was answered from: the "source" label of the
+// ranges metric.
+type source string
+
 const (
-	sourceCache     = "cache"
-	sourceForwarded = "forwarded"
-	sourceRejected  = "rejected"
+	sourceCache     source = "cache"
+	sourceForwarded source = "forwarded"
+	sourceRejected  source = "rejected"
 )
 
-// Metrics are the KV service's Prometheus metrics.
+// reason is why a Range was answered where it was: the "reason" label of
+// the ranges metric. Each request is counted once, with the reason that
+// decided its source.
+type reason string
+
+const (
+	// Served from the cache.
+	reasonLinearizable reason = "linearizable" // proven fresh by the read fence
+	reasonHistorical   reason = "historical"   // at a revision the cache holds
+	reasonSerializable reason = "serializable" // at the cache's revision
+	reasonWaited       reason = "waited"       // after the cache reached the revision
+
+	// Forwarded to etcd.
+	reasonAuth           reason = "auth"            // carries a token: etcd checks it
+	reasonInconsistent   reason = "inconsistent"    // the consistency check failed
+	reasonNotRetained    reason = "not_retained"    // older than the cache's history
+	reasonAhead          reason = "ahead"           // the cache did not reach the revision in time
+	reasonNotReady       reason = "not_ready"       // the store is not loaded
+	reasonVersionUnknown reason = "version_unknown" // keys-only, and the upstream's release is unknown
+	reasonRangeStream    reason = "rangestream_unsupported"
+
+	// Forwarded or rejected.
+	reasonLoading      reason = "loading"       // small reads forwarded, the rest refused
+	reasonFreshTimeout reason = "fresh_timeout" // freshness not proven in time
+	reasonFreshError   reason = "fresh_error"   // freshness could not be proven
+
+	// Rejected.
+	reasonCompacted reason = "compacted"
+	reasonFuture    reason = "future"
+	reasonOverload  reason = "overload" // no forwarding slot in time
+)
+
+// Metrics are the KV service's Prometheus metrics. A nil *Metrics records
+// nothing.
 type Metrics struct {
 	ranges *prometheus.CounterVec
 }
@@ -26,8 +62,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	return m
 }
 
-func (m *Metrics) observe(source, reason string) {
+func (m *Metrics) observe(src source, why reason) {
 	if m != nil {
-		m.ranges.WithLabelValues(source, reason).Inc()
+		m.ranges.WithLabelValues(string(src), string(why)).Inc()
 	}
 }

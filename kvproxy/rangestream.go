@@ -12,7 +12,6 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
-	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
@@ -31,39 +30,34 @@ func (s *Server) RangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServ
 	if err := checkRangeStreamRequest(r); err != nil {
 		return err
 	}
-	if err := s.checkLeader(stream.Context()); err != nil {
+	ctx := stream.Context()
+	if err := s.checkLeader(ctx); err != nil {
 		return err
 	}
-	if !s.rangeOptions().KeysOnlyWithoutLease {
+	rules := s.rules()
+	var rt route
+	switch {
+	case !rules.known:
+		rt = forwarded(reasonVersionUnknown)
+	case !rules.rangeStream:
 		// Before 3.7 etcd has no RangeStream; let it say so.
-		s.m.observe(sourceForwarded, "rangestream_unsupported")
-		return s.forwardRangeStream(r, stream)
+		rt = forwarded(reasonRangeStream)
+	default:
+		rt = s.route(ctx, r, rules)
 	}
-	view, reason, err := s.route(stream.Context(), r)
-	if err != nil {
-		switch {
-		case errors.Is(err, revtree.ErrCompacted):
-			s.m.observe(sourceRejected, reason)
-			return rpctypes.ErrGRPCCompacted
-		case errors.Is(err, revtree.ErrFutureRev):
-			s.m.observe(sourceRejected, reason)
-			return rpctypes.ErrGRPCFutureRev
-		case errors.Is(err, errNotFresh) && s.failFast:
-			s.m.observe(sourceRejected, reason)
-			return errNotFresh
-		case errors.Is(err, errLoading):
-			s.m.observe(sourceRejected, reason)
-			return errLoading
+	if rt.action != serveFromCache {
+		release, err := s.settle(ctx, rt)
+		if err != nil {
+			return err
 		}
-		s.m.observe(sourceForwarded, reason)
-		return s.forwardRangeStream(r, stream)
+		defer release()
+		return s.relayRangeStream(r, stream)
 	}
-	s.m.observe(sourceCache, reason)
-	return s.rangeStreamFromView(view, r, stream)
+	s.m.observe(sourceCache, rt.reason)
+	return s.rangeStreamFromView(rt.view, r, rules.opts, stream)
 }
 
-func (s *Server) rangeStreamFromView(view revtree.View, req *pb.RangeRequest, stream grpc.ServerStreamingServer[pb.RangeStreamResponse]) error {
-	opts := s.rangeOptions()
+func (s *Server) rangeStreamFromView(view revtree.View, req *pb.RangeRequest, opts revtree.RangeOptions, stream grpc.ServerStreamingServer[pb.RangeStreamResponse]) error {
 	r := proto.Clone(req).(*pb.RangeRequest)
 	if r.CountOnly {
 		resp := view.Range(r, opts)
@@ -120,12 +114,8 @@ func adjustChunkLimit(lastLimit int64, lastSize, targetSize int) int64 {
 	return max(lastLimit, 1)
 }
 
-func (s *Server) forwardRangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServer[pb.RangeStreamResponse]) error {
-	release, err := s.acquireForward(stream.Context())
-	if err != nil {
-		return err
-	}
-	defer release()
+// relayRangeStream relays etcd's answer to r, chunk for chunk.
+func (s *Server) relayRangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServer[pb.RangeStreamResponse]) error {
 	up, err := s.upstream.RangeStream(stream.Context(), r)
 	if err != nil {
 		return err
@@ -144,20 +134,17 @@ func (s *Server) forwardRangeStream(r *pb.RangeRequest, stream grpc.ServerStream
 	}
 }
 
-// checkRangeStreamRequest is etcd's validation of a RangeStream request.
+// checkRangeStreamRequest is etcd's validation of a RangeStream request:
+// Range's, then no custom order and no revision filters.
 func checkRangeStreamRequest(r *pb.RangeRequest) error {
 	if err := checkRangeRequest(r); err != nil {
 		return err
 	}
-	if !revtreeDefaultOrdering(r) {
+	if !revtree.KeyOrdered(r) {
 		return status.Errorf(codes.Unimplemented, "RangeStream does not support custom sort orders")
 	}
-	if r.MinModRevision != 0 || r.MaxModRevision != 0 || r.MinCreateRevision != 0 || r.MaxCreateRevision != 0 {
+	if revtree.HasRevisionFilters(r) {
 		return status.Errorf(codes.Unimplemented, "RangeStream does not support revision filters")
 	}
 	return nil
-}
-
-func revtreeDefaultOrdering(r *pb.RangeRequest) bool {
-	return r.SortOrder == pb.RangeRequest_NONE || (r.SortTarget == pb.RangeRequest_KEY && r.SortOrder == pb.RangeRequest_ASCEND)
 }

@@ -6,11 +6,13 @@ import "sync"
 // the follower's watch requires one, so etcd ends it with "no leader" when it
 // loses it, and a new watch is created only once there is one again.
 type leaderState struct {
-	mu     sync.Mutex
+	mu sync.Mutex
+	// Guarded by mu.
 	isLost bool
-	lostc  chan struct{} // closed when the leader is lost
+	lostc  chan struct{} // closed when the leader is lost; replaced once found
 }
 
+// lost records that etcd reported having no leader.
 func (l *leaderState) lost() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -23,6 +25,7 @@ func (l *leaderState) lost() {
 	}
 }
 
+// found records that a watch requiring a leader was created.
 func (l *leaderState) found() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -32,11 +35,9 @@ func (l *leaderState) found() {
 	}
 }
 
-// LeaderLost returns whether etcd has reported that it has no leader (and no
-// watch has been created since), and a channel closed when it next does.
-// Streams that require a leader end on it, as etcd ends them.
-func (f *Follower) LeaderLost() (bool, <-chan struct{}) {
-	l := &f.leader
+// state returns whether the leader is lost, and a channel closed when it is
+// next lost.
+func (l *leaderState) state() (bool, <-chan struct{}) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.lostc == nil {

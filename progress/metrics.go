@@ -1,12 +1,15 @@
 package progress
 
 import (
+	"time"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
-// Metrics are the follower's Prometheus metrics.
+// Metrics are the follower's Prometheus metrics. A nil *Metrics records
+// nothing.
 type Metrics struct {
 	reg              prometheus.Registerer
 	loads            prometheus.Counter
@@ -20,50 +23,47 @@ type Metrics struct {
 
 // NewMetrics creates the follower's metrics and registers them with reg.
 func NewMetrics(reg prometheus.Registerer) *Metrics {
+	counter := func(name, help string) prometheus.Counter {
+		return prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help})
+	}
 	m := &Metrics{
-		reg: reg,
-		loads: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "etcd_snapcache_loads_total",
-			Help: "Loads of the whole keyspace from etcd, the first included.",
-		}),
+		reg:   reg,
+		loads: counter("etcd_snapcache_loads_total", "Loads of the whole keyspace from etcd, the first included."),
 		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "etcd_snapcache_reloads_total",
 			Help: "Reloads of the keyspace because the upstream watch could not resume, by reason (compacted, gap, inconsistent).",
 		}, []string{"reason"}),
-		watchRestarts: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "etcd_snapcache_upstream_watch_restarts_total",
-			Help: "Times the upstream watch broke and was resumed.",
-		}),
-		events: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "etcd_snapcache_events_applied_total",
-			Help: "Upstream watch events applied to the cache.",
-		}),
+		watchRestarts: counter("etcd_snapcache_upstream_watch_restarts_total", "Times the upstream watch broke and was resumed."),
+		events:        counter("etcd_snapcache_events_applied_total", "Upstream watch events applied to the cache."),
 		compactions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "etcd_snapcache_compactions_observed_total",
 			Help: "Compactions mirrored into the cache, by how they were learned (proxy, compact_rev_key, probe, watch).",
 		}, []string{"source"}),
-		progressRequests: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "etcd_snapcache_upstream_progress_requests_total",
-			Help: "RequestProgress calls sent on the upstream watch.",
+		progressRequests: counter("etcd_snapcache_upstream_progress_requests_total", "RequestProgress calls sent on the upstream watch."),
+		fenceWait: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "etcd_snapcache_freshness_wait_seconds",
+			Help:    "Time a linearizable read waited to prove the cache fresh (quorum read of etcd's revision, then the cache reaching it).",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 16), // 100µs to 3.3s
 		}),
 	}
-	m.fenceWait = prometheus.NewHistogram(prometheus.HistogramOpts{
-		Name:    "etcd_snapcache_freshness_wait_seconds",
-		Help:    "Time a linearizable read waited to prove the cache fresh (quorum read of etcd's revision, then the cache reaching it).",
-		Buckets: prometheus.ExponentialBuckets(0.0001, 2, 16), // 100µs to 3.3s
-	})
 	reg.MustRegister(m.loads, m.reloads, m.watchRestarts, m.events, m.compactions, m.progressRequests, m.fenceWait)
 	return m
 }
 
 func (m *Metrics) bindFollower(f *Follower) {
+	if m == nil {
+		return
+	}
 	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "etcd_snapcache_upstream_revision_lag",
 		Help: "Revisions between the highest head etcd has reported and the cache's revision.",
-	}, func() float64 { return float64(max(f.head.Load()-f.store.Rev(), 0)) }))
+	}, func() float64 { return float64(max(f.upstream.head.Load()-f.store.Rev(), 0)) }))
 }
 
 func (m *Metrics) bindStore(s *revtree.Store) {
+	if m == nil {
+		return
+	}
 	gauge := func(name, help string, fn func() float64) prometheus.Collector {
 		return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, fn)
 	}
@@ -79,4 +79,46 @@ func (m *Metrics) bindStore(s *revtree.Store) {
 		gauge("etcd_snapcache_cache_bytes", "Estimated memory of the cache: the keyspace plus what each retained revision adds.",
 			func() float64 { return float64(s.ApproxBytes()) }),
 	)
+}
+
+func (m *Metrics) observeLoad() {
+	if m != nil {
+		m.loads.Inc()
+	}
+}
+
+func (m *Metrics) observeReload(reason string) {
+	if m != nil {
+		m.reloads.WithLabelValues(reason).Inc()
+	}
+}
+
+func (m *Metrics) observeWatchRestart() {
+	if m != nil {
+		m.watchRestarts.Inc()
+	}
+}
+
+func (m *Metrics) observeEvents(n int) {
+	if m != nil {
+		m.events.Add(float64(n))
+	}
+}
+
+func (m *Metrics) observeCompaction(source string) {
+	if m != nil {
+		m.compactions.WithLabelValues(source).Inc()
+	}
+}
+
+func (m *Metrics) observeProgressRequest() {
+	if m != nil {
+		m.progressRequests.Inc()
+	}
+}
+
+func (m *Metrics) observeFenceWait(d time.Duration) {
+	if m != nil {
+		m.fenceWait.Observe(d.Seconds())
+	}
 }

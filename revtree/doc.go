@@ -5,8 +5,8 @@
 //
 // # Layout
 //
-// The store keeps a mutable working tree (latest) that only the single writer
-// touches, and an index of immutable snapshots ordered by revision. Applying
+// The store keeps a mutable working tree (latest) that only writers touch,
+// one at a time, and an index of immutable snapshots ordered by revision. Applying
 // revision N mutates latest and then publishes latest.Clone() as the snapshot
 // for N. Clone is O(1): the snapshot and latest share every node until latest
 // next writes one, at which point latest copies the path from the root to
@@ -36,7 +36,11 @@
 //
 // # Concurrency
 //
-// Apply, Reset, Advance and Compact must be called by one writer at a time.
-// Range, View and the accessors may be called concurrently with the writer and
-// with each other: readers only ever touch published, immutable snapshots.
+// Every method is safe for concurrent use. Apply and Reset change latest
+// and are serialised by a write lock, so they apply whole revisions one at a
+// time. Advance and Compact change only the published state (the store's
+// revision, the compaction revision, the snapshot index) under the store's
+// lock, so the follower, the compaction probe and forwarded Compact calls
+// may call them concurrently with Apply. Range, View and the accessors only
+// ever touch published, immutable snapshots.
 package revtree

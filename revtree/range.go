@@ -81,6 +81,14 @@ func rangeLimit(r *pb.RangeRequest) int64 {
 	return limit
 }
 
+// KeyOrdered reports whether r's sort fields leave results in the store's
+// own order, ascending by key: no sort order, or ascending by key.
+func KeyOrdered(r *pb.RangeRequest) bool { return isDefaultOrdering(r.SortTarget, r.SortOrder) }
+
+// HasRevisionFilters reports whether r filters results by mod or create
+// revision.
+func HasRevisionFilters(r *pb.RangeRequest) bool { return hasRevisionFilters(r) }
+
 func isDefaultOrdering(target pb.RangeRequest_SortTarget, order pb.RangeRequest_SortOrder) bool {
 	return order == pb.RangeRequest_NONE || (target == pb.RangeRequest_KEY && order == pb.RangeRequest_ASCEND)
 }

@@ -13,6 +13,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
 )
 
 // keepAliveBuffer bounds the responses queued for one client stream. A
@@ -57,7 +59,9 @@ func (l *leaseServer) LeaseKeepAlive(stream pb.Lease_LeaseKeepAliveServer) error
 	ctx := stream.Context()
 	w := newKeepAliveWaiter(ctx.Done())
 	errc := make(chan error, 1)
-	go func() { // ends with the client stream
+	// The receive goroutine is owned by the client stream: it ends when
+	// Recv fails, which gRPC makes happen once this handler returns.
+	go func() {
 		for {
 			req, err := stream.Recv()
 			if err != nil {
@@ -91,11 +95,13 @@ func (l *leaseServer) LeaseKeepAlive(stream pb.Lease_LeaseKeepAliveServer) error
 }
 
 // keepAliveWaiter is one client stream waiting for keepalive responses.
+// deliver is called by the upstream stream's receiver; the client stream's
+// handler reads respc and overflow.
 type keepAliveWaiter struct {
-	respc       chan *pb.LeaseKeepAliveResponse
-	done        <-chan struct{}
-	outstanding atomic.Int64 // requests not yet answered
-	overflow    chan struct{}
+	respc       chan *pb.LeaseKeepAliveResponse // buffered keepAliveBuffer
+	done        <-chan struct{}                 // the client stream's context
+	outstanding atomic.Int64                    // requests not yet answered
+	overflow    chan struct{}                   // closed once respc was full: the client stopped reading
 	overOnce    sync.Once
 }
 
@@ -125,20 +131,22 @@ func (w *keepAliveWaiter) deliver(resp *pb.LeaseKeepAliveResponse) {
 // request is in flight; requests that arrive while it is in flight share the
 // next one.
 type keepAlives struct {
-	ctx      context.Context
+	ctx      context.Context // ends run and the upstream stream
 	upstream pb.LeaseClient
 	lg       *zap.Logger
+	kick     chan struct{} // buffered 1: wakes the sender when queue grows
 
-	mu     sync.Mutex
-	leases map[int64]*leaseKeepAlive
-	queue  []int64       // leases whose request is to be sent
-	kick   chan struct{} // wakes the sender
+	mu sync.Mutex
+	// Guarded by mu.
+	leases map[int64]*leaseKeepAlive // leases with waiters or a request in flight
+	queue  []int64                   // leases whose request is to be sent
 }
 
+// leaseKeepAlive is one lease's waiters; guarded by keepAlives.mu.
 type leaseKeepAlive struct {
 	inFlight []*keepAliveWaiter // covered by the request in flight
 	next     []*keepAliveWaiter // arrived after it was sent
-	sent     bool
+	sent     bool               // a request is queued or in flight
 }
 
 func newKeepAlives(ctx context.Context, upstream pb.LeaseClient, lg *zap.Logger) *keepAlives {
@@ -172,24 +180,23 @@ func (k *keepAlives) scheduleLocked(id int64, la *leaseKeepAlive) {
 	}
 }
 
+// Bounds of the pause before the upstream keepalive stream is reopened.
+const (
+	minReopenPause = 50 * time.Millisecond
+	maxReopenPause = 2 * time.Second
+)
+
 // run owns the upstream stream: it opens it, sends queued requests,
 // dispatches responses and reopens it after a failure, until ctx is done.
 func (k *keepAlives) run() {
-	pause := 50 * time.Millisecond
+	bo := backoff.New(minReopenPause, maxReopenPause)
 	for k.ctx.Err() == nil {
 		err := k.serveStream()
 		if k.ctx.Err() != nil {
 			return
 		}
 		k.lg.Warn("upstream lease keepalive stream broken; reopening", zap.Error(err))
-		t := time.NewTimer(pause)
-		select {
-		case <-k.ctx.Done():
-			t.Stop()
-			return
-		case <-t.C:
-		}
-		pause = min(2*pause, 2*time.Second)
+		bo.Wait(k.ctx)
 	}
 }
 

@@ -83,9 +83,10 @@ type Config struct {
 	// ConsistencyCheckInterval is how often the cache is checked against
 	// etcd (hashcheck.DefaultInterval if 0; negative disables).
 	ConsistencyCheckInterval time.Duration
-	// FailUnprovenReads fails a linearizable read whose freshness was not
-	// proven in time with Unavailable, instead of sending it to etcd.
-	FailUnprovenReads bool
+	// ConsistentReadFallback is what a linearizable read does when its
+	// freshness was not proven in time: go to etcd, or fail with
+	// Unavailable (--consistent-read-fallback).
+	ConsistentReadFallback kvproxy.ConsistentReadFallback
 	// CompactionProbeInterval is how often etcd's compaction revision is
 	// checked.
 	CompactionProbeInterval time.Duration
@@ -221,7 +222,7 @@ func Start(cfg Config) (*Server, error) {
 	}()
 	if s.httpLis != nil {
 		s.httpServer = &http.Server{
-			Handler:           newHTTPHandler(s.registry, func() bool { return s.follower.IsReady() && !s.follower.Loading() }),
+			Handler:           newHTTPHandler(s.registry, s.follower.Serving),
 			ReadHeaderTimeout: 10 * time.Second,
 		}
 		s.wg.Add(1)
@@ -240,12 +241,9 @@ func Start(cfg Config) (*Server, error) {
 }
 
 func (s *Server) dialUpstream() (*clientv3.Client, error) {
-	var tlsCfg *tls.Config
-	if !s.cfg.UpstreamTLS.Empty() || s.cfg.UpstreamTLS.TrustedCAFile != "" {
-		var err error
-		if tlsCfg, err = s.cfg.UpstreamTLS.ClientConfig(); err != nil {
-			return nil, fmt.Errorf("upstream TLS: %w", err)
-		}
+	tlsCfg, err := ClientTLSConfig(s.cfg.UpstreamTLS)
+	if err != nil {
+		return nil, fmt.Errorf("upstream TLS: %w", err)
 	}
 	client, err := clientv3.New(clientv3.Config{
 		Endpoints:            s.cfg.Endpoints,
@@ -277,6 +275,17 @@ func (s *Server) dialUpstream() (*clientv3.Client, error) {
 		return nil, fmt.Errorf("connecting to etcd %v: %w", s.cfg.Endpoints, err)
 	}
 	return client, nil
+}
+
+// ClientTLSConfig is the TLS configuration of a client of etcd from
+// etcdctl's --cert, --key and --cacert: nil when none is set. As in
+// clientv3, TLS is then used for https:// endpoints only, and with a
+// configuration for bare host:port endpoints too.
+func ClientTLSConfig(info transport.TLSInfo) (*tls.Config, error) {
+	if info.Empty() && info.TrustedCAFile == "" {
+		return nil, nil
+	}
+	return info.ClientConfig()
 }
 
 func (s *Server) listen() error {
@@ -330,9 +339,10 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		Metrics:           kvproxy.NewMetrics(s.registry),
 		RevisionWait:      s.cfg.RevisionWait,
 		FreshnessTimeout:  s.cfg.FreshnessTimeout,
-		FailUnproven:      s.cfg.FailUnprovenReads,
 		MaxForwardedReads: s.cfg.MaxForwardedReads,
-		Fallback:          s.checker.Fallback,
+		Inconsistent:      s.checker.Fallback,
+
+		ConsistentReadFallback: s.cfg.ConsistentReadFallback,
 	}))
 	s.watch = watchproxy.New(watchproxy.Config{
 		Store:                  s.store,
@@ -340,7 +350,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		Upstream:               pb.NewWatchClient(conn),
 		ProgressNotifyInterval: s.cfg.WatchProgressNotifyInterval,
 		FragmentBytes:          s.cfg.MaxRequestBytes + grpcOverheadBytes,
-		Fallback:               s.checker.Fallback,
+		Inconsistent:           s.checker.Fallback,
 		Logger:                 s.lg.Named("watch"),
 		Metrics:                watchproxy.NewMetrics(s.registry),
 	})

@@ -3,6 +3,7 @@ package watchproxy
 import (
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -76,27 +77,17 @@ func (st *stream) catchup(ctx context.Context, w *watcher, create *pb.WatchCreat
 	if err := up.Send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CreateRequest{CreateRequest: create}}); err != nil {
 		return catchupBatch{err: err}
 	}
+	// The progress sender shares up.Send with nothing after the create; it
+	// ends with ctx, and this function waits for it.
 	created := make(chan struct{})
-	go func() { // asks for progress until the catch-up ends
-		select {
-		case <-created:
-		case <-ctx.Done():
-			return
-		}
-		t := time.NewTicker(catchupProgressResend)
-		defer t.Stop()
-		req := &pb.WatchRequest{RequestUnion: &pb.WatchRequest_ProgressRequest{ProgressRequest: &pb.WatchProgressRequest{}}}
-		for {
-			if up.Send(req) != nil {
-				return
-			}
-			select {
-			case <-t.C:
-			case <-ctx.Done():
-				return
-			}
-		}
+	var sender sync.WaitGroup
+	sender.Add(1)
+	go func() {
+		defer sender.Done()
+		askProgress(ctx, up, created)
 	}()
+	defer sender.Wait()
+	defer cancel()
 	for {
 		resp, err := up.Recv()
 		if err != nil {
@@ -132,6 +123,30 @@ func (st *stream) catchup(ctx context.Context, w *watcher, create *pb.WatchCreat
 		}
 		if done {
 			return catchupBatch{done: true, upTo: until - 1}
+		}
+	}
+}
+
+// askProgress asks the catch-up watch for progress every
+// catchupProgressResend from its creation until ctx is done: only a progress
+// notification proves the watcher complete up to a revision.
+func askProgress(ctx context.Context, up pb.Watch_WatchClient, created <-chan struct{}) {
+	select {
+	case <-created:
+	case <-ctx.Done():
+		return
+	}
+	t := time.NewTicker(catchupProgressResend)
+	defer t.Stop()
+	req := &pb.WatchRequest{RequestUnion: &pb.WatchRequest_ProgressRequest{ProgressRequest: &pb.WatchProgressRequest{}}}
+	for {
+		if up.Send(req) != nil {
+			return
+		}
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return
 		}
 	}
 }

@@ -7,22 +7,14 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 )
 
-// Relay implements etcdserverpb.WatchServer by relaying to etcd.
-type Relay struct {
-	pb.UnsafeWatchServer
-	upstream pb.WatchClient
-}
-
-var _ pb.WatchServer = (*Relay)(nil)
-
-// NewRelay returns a Watch server that relays every stream to upstream.
-func NewRelay(upstream pb.WatchClient) *Relay { return &Relay{upstream: upstream} }
-
-// Watch relays one client stream to one upstream stream until either ends.
+// relay relays one client stream to one upstream stream until either ends.
 // The upstream call carries the client's metadata (auth token, hasleader)
 // through the client connection's interceptors.
-func (r *Relay) Watch(stream pb.Watch_WatchServer) error {
-	up, err := r.upstream.Watch(stream.Context())
+//
+// Its receive goroutine is owned by the client stream: it ends when Recv
+// fails, which gRPC makes happen once the handler returns.
+func relay(upstream pb.WatchClient, stream pb.Watch_WatchServer) error {
+	up, err := upstream.Watch(stream.Context())
 	if err != nil {
 		return err
 	}

@@ -1,6 +1,7 @@
 package watchproxy
 
 import (
+	"context"
 	"math/rand/v2"
 	"sync"
 	"time"
@@ -11,7 +12,6 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
-	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -27,10 +27,37 @@ const defaultFragmentBytes = 1.5*1024*1024 + 512*1024
 // up from history the proxy does not hold; further watchers wait.
 const maxCatchups = 8
 
+// Follower is what the Watch service needs of the upstream follower
+// (progress.Follower).
+type Follower interface {
+	// Serving reports whether the store answers for etcd (loaded, not
+	// reloading).
+	Serving() bool
+	// Changed returns a channel closed the next time the store advances.
+	Changed() <-chan struct{}
+	// WaitFresh returns a store revision that holds every event etcd had
+	// committed when the call began.
+	WaitFresh(ctx context.Context) (int64, error)
+	// FillHeader sets the member fields of a header served from the store.
+	FillHeader(h *pb.ResponseHeader)
+	// LeaderLost reports whether etcd has no leader, and a channel closed
+	// when it next loses it.
+	LeaderLost() (bool, <-chan struct{})
+}
+
+// Store is what the Watch service reads of the cache's event history
+// (revtree.Store).
+type Store interface {
+	Rev() int64
+	CompactRev() int64
+	HistoryStart() int64
+	EventsFrom(from, upTo int64, max int) ([]revtree.Batch, int64, error)
+}
+
 // Config configures a Server.
 type Config struct {
-	Store    *revtree.Store
-	Follower *progress.Follower
+	Store    Store
+	Follower Follower
 	// Upstream is etcd's Watch service: for catching watchers up from
 	// etcd's history, and for relaying streams that carry an auth token.
 	Upstream pb.WatchClient
@@ -39,31 +66,30 @@ type Config struct {
 	// FragmentBytes is where etcd splits a fragmenting watcher's
 	// responses: its --max-request-bytes plus 512 KiB.
 	FragmentBytes int
-	// Fallback, if set, reports that new streams must be relayed to etcd
-	// (the consistency checker found the store inconsistent).
-	Fallback func() bool
-	Logger   *zap.Logger
-	Metrics  *Metrics
+	// Inconsistent, if set, reports that new streams must be relayed to
+	// etcd: the consistency checker found the store inconsistent.
+	Inconsistent func() bool
+	Logger       *zap.Logger
+	Metrics      *Metrics
 }
 
 // Server implements etcdserverpb.WatchServer.
 type Server struct {
 	pb.UnsafeWatchServer
 
-	store    *revtree.Store
-	follower *progress.Follower
-	upstream pb.WatchClient
-	relay    *Relay
-	fallback func() bool
-	interval time.Duration
-	maxBytes int
-	lg       *zap.Logger
-	m        *Metrics
+	store        Store
+	follower     Follower
+	upstream     pb.WatchClient
+	inconsistent func() bool
+	interval     time.Duration
+	maxBytes     int
+	lg           *zap.Logger
+	m            *Metrics
 
 	catchups chan struct{} // semaphore of upstream catch-up watches
 
 	closeOnce sync.Once
-	closing   chan struct{}
+	closing   chan struct{} // closed by Close: every stream ends
 }
 
 var _ pb.WatchServer = (*Server)(nil)
@@ -79,18 +105,20 @@ func New(cfg Config) *Server {
 	if cfg.FragmentBytes <= 0 {
 		cfg.FragmentBytes = defaultFragmentBytes
 	}
+	if cfg.Inconsistent == nil {
+		cfg.Inconsistent = func() bool { return false }
+	}
 	return &Server{
-		store:    cfg.Store,
-		follower: cfg.Follower,
-		upstream: cfg.Upstream,
-		relay:    NewRelay(cfg.Upstream),
-		fallback: cfg.Fallback,
-		interval: cfg.ProgressNotifyInterval,
-		maxBytes: cfg.FragmentBytes,
-		lg:       cfg.Logger,
-		m:        cfg.Metrics,
-		catchups: make(chan struct{}, maxCatchups),
-		closing:  make(chan struct{}),
+		store:        cfg.Store,
+		follower:     cfg.Follower,
+		upstream:     cfg.Upstream,
+		inconsistent: cfg.Inconsistent,
+		interval:     cfg.ProgressNotifyInterval,
+		maxBytes:     cfg.FragmentBytes,
+		lg:           cfg.Logger,
+		m:            cfg.Metrics,
+		catchups:     make(chan struct{}, maxCatchups),
+		closing:      make(chan struct{}),
 	}
 }
 
@@ -105,13 +133,13 @@ func (s *Server) Close() {
 func (s *Server) Watch(gs pb.Watch_WatchServer) error {
 	ctx := gs.Context()
 	md, _ := metadata.FromIncomingContext(ctx)
-	if len(md.Get(rpctypes.TokenFieldNameGRPC)) > 0 || (s.fallback != nil && s.fallback()) {
+	if len(md.Get(rpctypes.TokenFieldNameGRPC)) > 0 || s.inconsistent() {
 		// Only etcd can check the caller's permissions; and while the
 		// store is found inconsistent, etcd answers.
 		s.m.relayed()
-		return s.relay.Watch(gs)
+		return relay(s.upstream, gs)
 	}
-	if !s.follower.IsReady() || s.follower.Loading() {
+	if !s.follower.Serving() {
 		return errNotReady
 	}
 	var leaderLost <-chan struct{}

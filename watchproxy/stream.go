@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"go.uber.org/zap"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -32,17 +33,22 @@ var errNotReady = status.Error(codes.Unavailable, "etcd-snapcache: the cache is 
 var ready = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 // stream is one client watch stream and the state of its send loop.
+//
+// run is the root of the stream's goroutines. It starts the receive loop,
+// whose owner is the gRPC stream: it ends when Recv fails, which gRPC makes
+// happen once the handler returns. Every other goroutine (freshness checks,
+// catch-ups) is counted in wg, and close waits for them.
 type stream struct {
 	s          *Server
 	gs         pb.Watch_WatchServer
-	ctx        context.Context
+	ctx        context.Context // canceled when run returns
 	cancel     context.CancelFunc
-	leaderLost <-chan struct{}
+	leaderLost <-chan struct{} // closed when etcd loses its leader; nil unless the client requires one
 
-	reqs    chan *pb.WatchRequest // requests, in order, from the receive goroutine
-	recvErr chan error
+	reqs    chan *pb.WatchRequest // requests, in order, from the receive loop
+	recvErr chan error            // the receive loop's final error (not io.EOF)
 
-	// Touched only by the send loop.
+	// Fields below are touched only by the send loop (run).
 	watchers map[int64]*watcher
 	nextID   int64
 	// progressWanted counts RequestProgress not yet answered; freshRev is
@@ -52,9 +58,15 @@ type stream struct {
 	freshPending   bool // a freshness check is under way
 	freshAgain     bool // a request arrived after it began
 
-	freshc   chan int64
-	catchupc chan catchupBatch
-	wg       sync.WaitGroup // WaitFresh and catch-up goroutines
+	freshc   chan freshResult  // a freshness check's result, to the send loop
+	catchupc chan catchupBatch // catch-up events and results, to the send loop
+	wg       sync.WaitGroup    // freshness-check and catch-up goroutines
+}
+
+// freshResult is the outcome of one follower.WaitFresh.
+type freshResult struct {
+	rev int64
+	err error
 }
 
 func newStream(s *Server, gs pb.Watch_WatchServer, leaderLost <-chan struct{}) *stream {
@@ -68,7 +80,7 @@ func newStream(s *Server, gs pb.Watch_WatchServer, leaderLost <-chan struct{}) *
 		reqs:       make(chan *pb.WatchRequest, 16),
 		recvErr:    make(chan error, 1),
 		watchers:   map[int64]*watcher{},
-		freshc:     make(chan int64, 1),
+		freshc:     make(chan freshResult, 1),
 		catchupc:   make(chan catchupBatch),
 	}
 }
@@ -78,8 +90,6 @@ func newStream(s *Server, gs pb.Watch_WatchServer, leaderLost <-chan struct{}) *
 // server closes.
 func (st *stream) run() error {
 	defer st.close()
-	// The receive goroutine ends when the stream's context does, which
-	// gRPC cancels once this handler returns.
 	go st.recvLoop()
 	ticker := time.NewTicker(st.s.progressInterval())
 	defer ticker.Stop()
@@ -100,8 +110,8 @@ func (st *stream) run() error {
 		case req := <-st.reqs:
 			err = st.handle(req)
 		case err = <-st.recvErr:
-		case rev := <-st.freshc:
-			st.onFresh(rev)
+		case res := <-st.freshc:
+			st.onFresh(res)
 		case b := <-st.catchupc:
 			err = st.onCatchup(b)
 		case <-ticker.C:
@@ -354,28 +364,27 @@ func (st *stream) startFreshCheck() {
 	go func() {
 		defer st.wg.Done()
 		rev, err := st.s.follower.WaitFresh(st.ctx)
-		if err != nil {
-			rev = 0
-		}
 		select {
-		case st.freshc <- rev:
+		case st.freshc <- freshResult{rev, err}:
 		case <-st.ctx.Done():
 		}
 	}()
 }
 
-func (st *stream) onFresh(rev int64) {
+func (st *stream) onFresh(res freshResult) {
 	st.freshPending = false
 	switch {
 	case st.freshAgain:
 		st.freshAgain = false
 		st.startFreshCheck()
-	case rev == 0:
+	case res.err != nil:
 		// Freshness cannot be proven (etcd unreachable): like a request
 		// etcd cannot answer, it is dropped; clients ask again.
+		st.s.lg.Debug("dropping progress requests: the cache could not be proven fresh",
+			zap.Int("requests", st.progressWanted), zap.Error(res.err))
 		st.progressWanted = 0
 	default:
-		st.freshRev = rev
+		st.freshRev = res.rev
 	}
 }
 

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/tls"
 	"fmt"
 	"math"
 	"time"
@@ -16,6 +15,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
+	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
 
 func checkCommand() *cli.Command {
@@ -71,12 +71,9 @@ func check(c *cli.Context) error {
 }
 
 func dial(endpoints []string, info transport.TLSInfo) (*clientv3.Client, error) {
-	var tlsCfg *tls.Config
-	if !info.Empty() || info.TrustedCAFile != "" {
-		var err error
-		if tlsCfg, err = info.ClientConfig(); err != nil {
-			return nil, err
-		}
+	tlsCfg, err := server.ClientTLSConfig(info)
+	if err != nil {
+		return nil, err
 	}
 	cli, err := clientv3.New(clientv3.Config{
 		Endpoints:   endpoints,

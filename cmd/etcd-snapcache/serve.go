@@ -17,6 +17,7 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
 )
 
 const (
@@ -38,7 +39,7 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "cacert", Category: catUpstream, Usage: "verify the upstream's certificate with this CA bundle"},
 			&cli.StringFlag{Name: "cert", Category: catUpstream, Usage: "client certificate for the upstream"},
 			&cli.StringFlag{Name: "key", Category: catUpstream, Usage: "client key for the upstream"},
-			&cli.DurationFlag{Name: "dial-timeout", Category: catUpstream, Value: 5e9, Usage: "timeout of the first connection to the upstream"},
+			&cli.DurationFlag{Name: "dial-timeout", Category: catUpstream, Value: 5 * time.Second, Usage: "timeout of the first connection to the upstream"},
 
 			&cli.StringFlag{Name: "listen-addr", Category: catServing, Value: "127.0.0.1:23790", Usage: "address to serve the etcd gRPC API on"},
 			&cli.StringFlag{Name: "metrics-addr", Category: catServing, Value: "127.0.0.1:23791", Usage: "address to serve /metrics, /livez and /readyz on; empty disables"},
@@ -49,7 +50,7 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "trusted-ca-file", Category: catServing, Usage: "require client certificates signed by this CA"},
 			&cli.IntFlag{Name: "max-request-bytes", Category: catServing, Value: 1.5 * 1024 * 1024,
 				Usage: "the upstream's --max-request-bytes: the largest request accepted, and where fragmenting watch responses are split"},
-			&cli.DurationFlag{Name: "watch-progress-notify-interval", Category: catServing, Value: 10 * 60e9,
+			&cli.DurationFlag{Name: "watch-progress-notify-interval", Category: catServing, Value: watchproxy.DefaultProgressNotifyInterval,
 				Usage: "interval of progress notifications to idle watchers that asked for them (etcd's default)"},
 			&cli.StringFlag{Name: "log-level", Category: catServing, Value: "info", Usage: "debug, info, warn or error"},
 
@@ -68,7 +69,7 @@ func serveCommand() *cli.Command {
 				Usage: "most reads in flight to etcd at once (forwarded reads wait for a slot, then fail with Unavailable)"},
 			&cli.DurationFlag{Name: "consistency-check-interval", Category: catCache, Value: hashcheck.DefaultInterval,
 				Usage: "how often to compare a hash of the cache with etcd's at one revision; on a mismatch reads go to etcd until the reloaded cache passes (0 disables)"},
-			&cli.DurationFlag{Name: "compaction-probe-interval", Category: catCache, Value: 1e9,
+			&cli.DurationFlag{Name: "compaction-probe-interval", Category: catCache, Value: time.Second,
 				Usage: "how often to check etcd's compaction revision (finds auto-compaction and compactions by other clients)"},
 			&cli.Int64Flag{Name: "load-page-size", Category: catCache, Value: progress.DefaultLoadPageSize, Usage: "page size of the initial load"},
 			&cli.BoolFlag{Name: "load-retained-history", Category: catCache,
@@ -87,9 +88,9 @@ func serve(c *cli.Context) error {
 	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 
-	failUnproven, err := parseFallback(c.String("consistent-read-fallback"))
+	fallback, err := kvproxy.ParseConsistentReadFallback(c.String("consistent-read-fallback"))
 	if err != nil {
-		return err
+		return fmt.Errorf("--consistent-read-fallback: %w", err)
 	}
 	endpoints := c.StringSlice("endpoints")
 	if len(endpoints) == 0 {
@@ -126,7 +127,7 @@ func serve(c *cli.Context) error {
 		BTreeDegree:                 c.Int("btree-degree"),
 		RevisionWait:                c.Duration("revision-wait"),
 		FreshnessTimeout:            c.Duration("consistent-read-timeout"),
-		FailUnprovenReads:           failUnproven,
+		ConsistentReadFallback:      fallback,
 		MaxForwardedReads:           c.Int("max-forwarded-reads"),
 		ConsistencyCheckInterval:    checkInterval(c.Duration("consistency-check-interval")),
 		CompactionProbeInterval:     c.Duration("compaction-probe-interval"),
@@ -156,16 +157,6 @@ func checkInterval(d time.Duration) time.Duration {
 		return -1
 	}
 	return d
-}
-
-func parseFallback(v string) (fail bool, err error) {
-	switch v {
-	case "forward":
-		return false, nil
-	case "fail":
-		return true, nil
-	}
-	return false, fmt.Errorf("--consistent-read-fallback: %q: want forward or fail", v)
 }
 
 func newLogger(level string) (*zap.Logger, error) {

@@ -31,8 +31,10 @@ func (f *fakeHead) read(ctx context.Context, rev int64) (int64, error) {
 // acknowledged); it joins the next probe, which every later arrival shares.
 func TestHeadProbeNeverJoinsAProbeInFlight(t *testing.T) {
 	f := &fakeHead{started: make(chan int64, 10), release: make(chan int64)}
-	p := &headProbe{read: f.read}
+	p := newHeadProbe(f.read)
 	ctx := context.Background()
+	p.start(ctx)
+	defer p.stop()
 
 	type result struct {
 		name string
@@ -95,7 +97,7 @@ func TestHeadProbeNeverJoinsAProbeInFlight(t *testing.T) {
 // revision is not this reader's; a head below this reader's revision is.
 func TestHeadProbeVerdicts(t *testing.T) {
 	calls := 0
-	p := &headProbe{read: func(_ context.Context, rev int64) (int64, error) {
+	p := newHeadProbe(func(_ context.Context, rev int64) (int64, error) {
 		calls++
 		switch {
 		case rev != 0 && rev < 10:
@@ -104,8 +106,10 @@ func TestHeadProbeVerdicts(t *testing.T) {
 			return 0, ErrFutureRev
 		}
 		return 50, nil
-	}}
+	})
 	ctx := context.Background()
+	p.start(ctx)
+	defer p.stop()
 	for _, tc := range []struct {
 		rev     int64
 		want    int64

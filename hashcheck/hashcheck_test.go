@@ -1,0 +1,125 @@
+package hashcheck
+
+import (
+	"context"
+	"errors"
+	"iter"
+	"strings"
+	"sync"
+	"testing"
+
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func entries(es ...Entry) iter.Seq2[Entry, error] {
+	return func(yield func(Entry, error) bool) {
+		for _, e := range es {
+			if !yield(e, nil) {
+				return
+			}
+		}
+	}
+}
+
+func failing(err error) iter.Seq2[Entry, error] {
+	return func(yield func(Entry, error) bool) { yield(Entry{}, err) }
+}
+
+// TestCompare: equal sides match; each kind of difference is named by the
+// first key that differs; an error on either side is returned.
+func TestCompare(t *testing.T) {
+	a2, b3, b4, c5 := Entry{[]byte("a"), 2}, Entry{[]byte("b"), 3}, Entry{[]byte("b"), 4}, Entry{[]byte("c"), 5}
+	for _, tc := range []struct {
+		name        string
+		cache, etcd iter.Seq2[Entry, error]
+		diff        string // substring of FirstDiff; "" for a match
+	}{
+		{"equal", entries(a2, b3, c5), entries(a2, b3, c5), ""},
+		{"empty", entries(), entries(), ""},
+		{"mod revision", entries(a2, b3), entries(a2, b4), `key "b" has mod_revision 3 in the cache, 4 in etcd`},
+		{"missing in cache", entries(a2), entries(a2, b3), `etcd has key "b"`},
+		{"extra in cache", entries(a2, b3), entries(a2), `the cache has key "b"`},
+		{"other key", entries(a2, c5), entries(a2, b3), `the cache has key "c" where etcd has "b"`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			res, err := Compare(7, tc.cache, tc.etcd)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Match() != (tc.diff == "") || !strings.Contains(res.FirstDiff, tc.diff) {
+				t.Fatalf("Compare: match %v, first difference %q; want %q", res.Match(), res.FirstDiff, tc.diff)
+			}
+		})
+	}
+	boom := errors.New("boom")
+	if _, err := Compare(7, entries(a2), failing(boom)); !errors.Is(err, boom) {
+		t.Fatalf("etcd side failing: %v", err)
+	}
+	if _, err := Compare(7, failing(boom), entries(a2)); !errors.Is(err, boom) {
+		t.Fatalf("cache side failing: %v", err)
+	}
+}
+
+// fakeFollower is a follower whose store is always loaded.
+type fakeFollower struct {
+	mu      sync.Mutex
+	reloads []string
+}
+
+func (f *fakeFollower) IsReady() bool            { return true }
+func (f *fakeFollower) Changed() <-chan struct{} { return make(chan struct{}) }
+func (f *fakeFollower) Loads() int64             { return 1 }
+func (f *fakeFollower) Reload(reason string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.reloads = append(f.reloads, reason)
+}
+
+// fakeEtcd answers keys-only Ranges from a fixed keyspace.
+type fakeEtcd struct {
+	pb.KVClient
+	kvs []*mvccpb.KeyValue
+}
+
+func (e *fakeEtcd) Range(_ context.Context, r *pb.RangeRequest, _ ...grpc.CallOption) (*pb.RangeResponse, error) {
+	var out []*mvccpb.KeyValue
+	for _, kv := range e.kvs {
+		if string(kv.Key) >= string(r.Key) {
+			out = append(out, kv)
+		}
+	}
+	return &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: r.Revision}, Kvs: out}, nil
+}
+
+// TestCheckerFallsBackAndRecovers: a mismatch puts the checker in fallback
+// and asks for a reload; a later passing check lifts the fallback.
+func TestCheckerFallsBackAndRecovers(t *testing.T) {
+	kv := func(k string, mod int64) *mvccpb.KeyValue {
+		return &mvccpb.KeyValue{Key: []byte(k), Value: []byte("v"), CreateRevision: mod, ModRevision: mod, Version: 1}
+	}
+	store := revtree.New(0)
+	store.Reset(5, []*mvccpb.KeyValue{kv("a", 2), kv("b", 5)}, 0)
+	etcd := &fakeEtcd{kvs: []*mvccpb.KeyValue{kv("a", 2), kv("b", 4)}}
+	f := &fakeFollower{}
+	c := New(Config{Store: store, Follower: f, Upstream: etcd})
+
+	res, err := c.Check(context.Background())
+	if err != nil || res.Match() || !c.Fallback() {
+		t.Fatalf("check against a differing etcd: %+v, %v; fallback %v", res, err, c.Fallback())
+	}
+	if len(f.reloads) != 1 || f.reloads[0] != "inconsistent" {
+		t.Fatalf("reloads asked: %v, want [inconsistent]", f.reloads)
+	}
+	etcd.kvs[1] = kv("b", 5)
+	if res, err := c.Check(context.Background()); err != nil || !res.Match() || c.Fallback() {
+		t.Fatalf("check against a matching etcd: %+v, %v; fallback %v", res, err, c.Fallback())
+	}
+}

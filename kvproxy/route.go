@@ -1,0 +1,135 @@
+package kvproxy
+
+import (
+	"context"
+	"errors"
+
+	"google.golang.org/grpc/metadata"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+
+	"github.com/etcd-snapcache/etcd-snapcache/progress"
+	"github.com/etcd-snapcache/etcd-snapcache/revtree"
+)
+
+// action is where a route sends a Range.
+type action int
+
+const (
+	serveFromCache action = iota // answer from route.view
+	forward                      // send to etcd
+	refuse                       // answer route.err
+)
+
+// route is the decision for one Range: where it is answered, and why.
+type route struct {
+	action action
+	reason reason
+	view   revtree.View // with serveFromCache
+	err    error        // with refuse: etcd's error, or the proxy's Unavailable
+}
+
+func cached(view revtree.View, why reason) route {
+	return route{action: serveFromCache, reason: why, view: view}
+}
+func forwarded(why reason) route          { return route{action: forward, reason: why} }
+func refused(why reason, err error) route { return route{action: refuse, reason: why, err: err} }
+
+// route decides where r is answered. The store answers only what it
+// provably holds as etcd would answer it: at a revision it retains, after
+// the read fence for a linearizable read, or serializable at a revision it
+// has reached.
+func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRules) route {
+	switch {
+	case hasAuthToken(ctx):
+		// The store cannot check the caller's permissions; etcd can.
+		return forwarded(reasonAuth)
+	case !s.follower.Serving():
+		// KEP-4568: delegate what etcd answers cheaply, refuse the rest
+		// rather than hang or flood etcd.
+		if isSmall(r) {
+			return forwarded(reasonLoading)
+		}
+		return refused(reasonLoading, errLoading)
+	case s.inconsistent():
+		return forwarded(reasonInconsistent)
+	case r.KeysOnly && !rules.known:
+		// Whether keys-only results carry the lease depends on the
+		// release.
+		return forwarded(reasonVersionUnknown)
+	case !r.Serializable:
+		return s.routeLinearizable(ctx, r)
+	}
+	why, need := reasonHistorical, r.Revision
+	if r.Revision <= 0 {
+		// etcd's head is never below its compaction revision; the
+		// store's may be, briefly, when it learns of a compaction before
+		// its watch delivers that revision.
+		why, need = reasonSerializable, s.store.CompactRev()
+	}
+	if s.store.Rev() < need {
+		wctx, cancel := context.WithTimeout(ctx, s.wait)
+		err := s.follower.WaitRevision(wctx, need)
+		cancel()
+		if err != nil {
+			return forwarded(reasonAhead)
+		}
+		why = reasonWaited
+	}
+	return s.routeView(r.Revision, why)
+}
+
+// routeLinearizable serves a linearizable read (etcd reads revision <= 0 as
+// its head) from the store once a read fence proves the store holds every
+// write etcd acknowledged before the read arrived.
+func (s *Server) routeLinearizable(ctx context.Context, r *pb.RangeRequest) route {
+	fctx, cancel := context.WithTimeout(ctx, s.fresh)
+	_, err := s.follower.Fence(fctx, r.Revision)
+	cancel()
+	switch {
+	case errors.Is(err, progress.ErrCompacted):
+		return refused(reasonCompacted, rpctypes.ErrGRPCCompacted)
+	case errors.Is(err, progress.ErrFutureRev):
+		return refused(reasonFuture, rpctypes.ErrGRPCFutureRev)
+	case err != nil:
+		why := reasonFreshTimeout
+		if !errors.Is(err, context.DeadlineExceeded) {
+			why = reasonFreshError
+		}
+		if s.fallback == FallbackFail {
+			return refused(why, errNotFresh)
+		}
+		return forwarded(why)
+	}
+	return s.routeView(r.Revision, reasonLinearizable)
+}
+
+// routeView serves from the snapshot of rev, if the store holds it.
+func (s *Server) routeView(rev int64, why reason) route {
+	view, err := s.store.View(rev)
+	switch {
+	case err == nil:
+		return cached(view, why)
+	case errors.Is(err, revtree.ErrCompacted):
+		return refused(reasonCompacted, rpctypes.ErrGRPCCompacted)
+	case errors.Is(err, revtree.ErrNotRetained):
+		return forwarded(reasonNotRetained)
+	default:
+		// ErrNotLoaded; or ErrFutureRev, which cannot follow the wait or
+		// the fence above unless a reload intervened: etcd decides.
+		return forwarded(reasonNotReady)
+	}
+}
+
+// isSmall reports whether etcd answers r cheaply: one key, a small limit,
+// or a count.
+func isSmall(r *pb.RangeRequest) bool {
+	return len(r.RangeEnd) == 0 || r.CountOnly || (r.Limit > 0 && r.Limit <= smallReadLimit)
+}
+
+// hasAuthToken reports whether the caller authenticated with a token.
+func hasAuthToken(ctx context.Context) bool {
+	md, ok := metadata.FromIncomingContext(ctx)
+	return ok && len(md.Get(rpctypes.TokenFieldNameGRPC)) > 0
+}

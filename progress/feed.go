@@ -1,0 +1,302 @@
+package progress
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
+)
+
+// Bounds of the pause between attempts to load or resume against a failing
+// upstream.
+const (
+	minRetryPause = 50 * time.Millisecond
+	maxRetryPause = 2 * time.Second
+)
+
+var (
+	wholeKey      = []byte{0}
+	wholeRangeEnd = []byte{0}
+)
+
+// reloadError ends a watch that cannot resume: the store must be loaded
+// again.
+type reloadError struct {
+	reason string
+	err    error
+}
+
+func (e *reloadError) Error() string { return fmt.Sprintf("reload (%s): %v", e.reason, e.err) }
+func (e *reloadError) Unwrap() error { return e.err }
+
+// feed is the upstream feed: it loads the keyspace, follows it with one
+// watch, resumes the watch when it breaks and reloads when it cannot
+// resume, until ctx is done.
+func (f *Follower) feed(ctx context.Context) {
+	bo := backoff.New(minRetryPause, maxRetryPause)
+	needLoad := true
+	firstLoad := true
+	for ctx.Err() == nil {
+		if needLoad {
+			target, err := f.load(ctx, firstLoad && f.cfg.LoadRetainedHistory)
+			if err != nil {
+				if ctx.Err() == nil {
+					f.lg.Warn("loading the keyspace from etcd failed; retrying", zap.Error(err))
+				}
+				bo.Wait(ctx)
+				continue
+			}
+			firstLoad = false
+			needLoad = false
+			f.loading.Store(false)
+			f.readyAt(target)
+		}
+		err := f.follow(ctx, bo)
+		if ctx.Err() != nil {
+			break
+		}
+		var reload *reloadError
+		if errors.As(err, &reload) {
+			f.lg.Warn("reloading the keyspace from etcd", zap.String("reason", reload.reason), zap.Error(reload.err))
+			f.m.observeReload(reload.reason)
+			f.loading.Store(true)
+			needLoad = true
+			continue
+		}
+		f.lg.Warn("upstream watch broken; resuming", zap.Int64("store-revision", f.store.Rev()), zap.Error(err))
+		f.m.observeWatchRestart()
+		bo.Wait(ctx)
+	}
+}
+
+// load reads the whole keyspace at one revision and resets the store to it.
+// With history, it loads at etcd's compaction revision instead, so that the
+// watch replays every retained revision. It returns the revision at which
+// the cache counts as caught up.
+func (f *Follower) load(ctx context.Context, history bool) (int64, error) {
+	start := time.Now()
+	// The release decides how some reads are answered: read it before the
+	// store can serve. A failure leaves it unknown, and the version
+	// tracker retries.
+	f.version.refresh(ctx)
+	// The current revision first: it is the load revision, or with history
+	// the revision the replay must reach before the cache is ready.
+	head, err := f.kv.Range(ctx, &pb.RangeRequest{Key: wholeKey, RangeEnd: wholeRangeEnd, CountOnly: true})
+	if err != nil {
+		return 0, fmt.Errorf("reading the current revision: %w", err)
+	}
+	f.upstream.observe(head.Header)
+	current := head.Header.Revision
+	f.upstream.observeHead(current)
+	compactRev, err := f.compaction.find(ctx, f.store.CompactRev(), current, 0)
+	if err != nil {
+		return 0, err
+	}
+	loadRev := current
+	if history {
+		loadRev = max(compactRev, 1)
+	}
+	kvs, err := f.rangeAll(ctx, loadRev)
+	if err != nil {
+		return 0, err
+	}
+	f.store.Reset(loadRev, kvs, compactRev)
+	f.loads.Add(1) // before waking waiters, which may be waiting for it
+	f.changes.notify()
+	f.lg.Info("loaded the keyspace from etcd",
+		zap.Int64("revision", loadRev),
+		zap.Int64("compact-revision", compactRev),
+		zap.Int("keys", len(kvs)),
+		zap.Bool("retained-history", history),
+		zap.Duration("took", time.Since(start)))
+	f.m.observeLoad()
+	return current, nil
+}
+
+// rangeAll reads every key at rev in pages, as kube-apiserver lists.
+func (f *Follower) rangeAll(ctx context.Context, rev int64) ([]*mvccpb.KeyValue, error) {
+	var kvs []*mvccpb.KeyValue
+	key := wholeKey
+	for {
+		if f.cfg.BeforeLoadPage != nil {
+			f.cfg.BeforeLoadPage()
+		}
+		resp, err := f.kv.Range(ctx, &pb.RangeRequest{
+			Key:      key,
+			RangeEnd: wholeRangeEnd,
+			Revision: rev,
+			Limit:    f.cfg.LoadPageSize,
+		})
+		if err != nil {
+			return nil, fmt.Errorf("loading keys at revision %d: %w", rev, err)
+		}
+		f.upstream.observe(resp.Header)
+		kvs = append(kvs, resp.Kvs...)
+		if !resp.More || len(resp.Kvs) == 0 {
+			return kvs, nil
+		}
+		last := resp.Kvs[len(resp.Kvs)-1].Key
+		key = append(append(make([]byte, 0, len(last)+1), last...), 0)
+	}
+}
+
+// takeReloadReason returns and clears a reload asked for by Reload.
+func (f *Follower) takeReloadReason() string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	reason := f.reloadReason
+	f.reloadReason = ""
+	return reason
+}
+
+// follow runs one upstream watch until it breaks. It returns a
+// *reloadError when resuming is impossible.
+//
+// The watch starts at the store's revision, not the next one: etcd drops
+// every progress request on a stream whose watcher starts beyond its head,
+// which an idle etcd's head + 1 would be. That revision comes back as a
+// duplicate and is skipped.
+func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff) error {
+	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+	defer cancel()
+	f.mu.Lock()
+	if reason := f.reloadReason; reason != "" {
+		f.reloadReason = ""
+		f.mu.Unlock()
+		return &reloadError{reason: reason, err: errors.New("reload requested")}
+	}
+	f.cancelFollow = cancel
+	f.mu.Unlock()
+	defer func() {
+		f.mu.Lock()
+		f.cancelFollow = nil
+		f.mu.Unlock()
+	}()
+	defer f.following.Store(false)
+	stream, err := f.wc.Watch(wctx)
+	if err != nil {
+		return fmt.Errorf("opening the upstream watch: %w", err)
+	}
+	startRev := f.store.Rev()
+	err = stream.Send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CreateRequest{CreateRequest: &pb.WatchCreateRequest{
+		Key:            wholeKey,
+		RangeEnd:       wholeRangeEnd,
+		StartRevision:  startRev,
+		ProgressNotify: true,
+	}}})
+	if err != nil {
+		return fmt.Errorf("creating the upstream watch: %w", err)
+	}
+
+	// The sender owns stream.Send after the create: it sends the coalesced
+	// progress requests for as long as this stream lives.
+	sendErr := make(chan error, 1)
+	var sender sync.WaitGroup
+	sender.Add(1)
+	go func() {
+		defer sender.Done()
+		sendErr <- f.requests.sendLoop(wctx, stream, f.Following, f.m.observeProgressRequest)
+	}()
+	defer sender.Wait()
+	defer cancel()
+
+	for {
+		resp, err := stream.Recv()
+		if err != nil && wctx.Err() != nil && ctx.Err() == nil {
+			if reason := f.takeReloadReason(); reason != "" {
+				return &reloadError{reason: reason, err: errors.New("reload requested")}
+			}
+		}
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				err = io.ErrUnexpectedEOF
+			}
+			if errors.Is(rpctypes.Error(err), rpctypes.ErrNoLeader) {
+				f.leader.lost()
+			}
+			select {
+			case serr := <-sendErr:
+				if serr != nil && !errors.Is(serr, context.Canceled) {
+					err = serr
+				}
+			default:
+			}
+			return fmt.Errorf("upstream watch: %w", err)
+		}
+		f.upstream.observe(resp.Header)
+		switch {
+		case resp.CompactRevision != 0:
+			// The resume revision was compacted while we were away.
+			f.ObserveCompaction(resp.CompactRevision, "watch")
+			return &reloadError{reason: "compacted", err: fmt.Errorf("watch from revision %d canceled: compacted at %d", startRev, resp.CompactRevision)}
+		case resp.Canceled:
+			return fmt.Errorf("upstream watch canceled: %s", resp.CancelReason)
+		case resp.Created:
+			f.following.Store(true)
+			f.leader.found()
+			bo.Reset()
+			f.lg.Info("following etcd", zap.Int64("start-revision", startRev))
+			// The member that answers may run another release now.
+			f.version.reconnected()
+			// The created response promises nothing about revisions: a
+			// progress request is the way to learn the head. Re-send any
+			// request that was lost with the previous stream.
+			f.requests.streamLost()
+			continue
+		case len(resp.Events) == 0:
+			f.onProgress(resp.Header.Revision, resp.WatchId == clientv3.InvalidWatchID)
+			continue
+		}
+		if err := f.applyEvents(resp.Events); err != nil {
+			return err
+		}
+	}
+}
+
+// onProgress handles a progress notification at rev; requested says it
+// answers our RequestProgress (watch id -1) rather than being periodic.
+func (f *Follower) onProgress(rev int64, requested bool) {
+	f.store.Advance(rev)
+	if requested {
+		f.requests.answer()
+	}
+	f.advanced()
+}
+
+// applyEvents applies a watch response's events, one revision at a time.
+func (f *Follower) applyEvents(events []*mvccpb.Event) error {
+	for len(events) > 0 {
+		rev := events[0].Kv.ModRevision
+		n := 1
+		for n < len(events) && events[n].Kv.ModRevision == rev {
+			n++
+		}
+		batch := events[:n]
+		events = events[n:]
+		cur := f.store.Rev()
+		switch {
+		case rev <= cur:
+			continue // already applied before the watch resumed
+		case rev != cur+1:
+			return &reloadError{reason: "gap", err: fmt.Errorf("revision %d follows store revision %d", rev, cur)}
+		}
+		if _, err := f.store.Apply(rev, batch); err != nil {
+			return &reloadError{reason: "inconsistent", err: err}
+		}
+		f.m.observeEvents(len(batch))
+		f.compaction.noticeCompactRevKey(batch)
+		f.advanced()
+	}
+	return nil
+}

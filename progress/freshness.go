@@ -1,0 +1,139 @@
+package progress
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+)
+
+var (
+	// ErrCompacted: etcd refused the read revision as compacted.
+	ErrCompacted = errors.New("progress: revision compacted in etcd")
+	// ErrFutureRev: the read revision is above etcd's head.
+	ErrFutureRev = errors.New("progress: revision is a future revision in etcd")
+	// ErrAhead is returned by WaitRevision when etcd answered a progress
+	// request, sent after the call began, with a revision below the one
+	// waited for: as far as the cache can tell, that revision is in the
+	// future.
+	ErrAhead = errors.New("progress: revision is ahead of etcd")
+	// ErrNotFollowing is returned by WaitRevision and WaitFresh while the
+	// upstream watch is down, so that callers go to etcd instead of waiting.
+	ErrNotFollowing = errors.New("progress: not following etcd")
+)
+
+// Fence makes a linearizable read at rev (0: the head) safe to serve from
+// the store. It learns etcd's head H with a quorum read started after the
+// call, waits until the store has applied H, and returns the store revision
+// the read may use (>= H). Because the quorum read is at rev, etcd's own
+// answer decides whether rev is compacted (ErrCompacted) or in the future
+// (ErrFutureRev), exactly as a read sent to etcd. Other errors (etcd
+// unreachable, no leader, ctx done, the follower stopped) mean freshness
+// could not be proven.
+func (f *Follower) Fence(ctx context.Context, rev int64) (int64, error) {
+	start := time.Now()
+	head, err := f.probes.do(ctx, rev)
+	if err == nil {
+		err = f.WaitRevision(ctx, head)
+		if errors.Is(err, ErrAhead) {
+			// etcd answered a progress request below the head it reported
+			// earlier: impossible unless the member we watch lags the
+			// one that answered; wait on for the events.
+			err = f.waitApplied(ctx, head)
+		}
+	}
+	f.m.observeFenceWait(time.Since(start))
+	if err != nil {
+		return 0, err
+	}
+	return f.store.Rev(), nil
+}
+
+// waitApplied waits for the store to reach rev through events alone.
+func (f *Follower) waitApplied(ctx context.Context, rev int64) error {
+	for {
+		changed := f.Changed()
+		if f.store.Rev() >= rev {
+			return nil
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// readHead is the quorum read: a linearizable count-only Range of one key at
+// rev, whose header carries etcd's head.
+func (f *Follower) readHead(ctx context.Context, rev int64) (int64, error) {
+	resp, err := f.kv.Range(ctx, &pb.RangeRequest{Key: probeKey, Revision: rev, CountOnly: true})
+	switch {
+	case err == nil:
+		f.upstream.observe(resp.Header)
+		f.upstream.observeHead(resp.Header.Revision)
+		return resp.Header.Revision, nil
+	case errors.Is(rpctypes.Error(err), rpctypes.ErrCompacted):
+		return 0, ErrCompacted
+	case errors.Is(rpctypes.Error(err), rpctypes.ErrFutureRev):
+		return 0, ErrFutureRev
+	default:
+		return 0, fmt.Errorf("reading etcd's revision: %w", err)
+	}
+}
+
+// WaitRevision waits until the store has applied rev. It returns nil once it
+// has; ErrAhead if etcd proved, after the call began, that it is below rev;
+// ErrNotFollowing if the upstream watch is down; or ctx's error. Concurrent
+// waiters share one RequestProgress.
+func (f *Follower) WaitRevision(ctx context.Context, rev int64) error {
+	if f.store.Rev() >= rev {
+		return nil
+	}
+	if !f.Following() {
+		return ErrNotFollowing
+	}
+	gen := f.requests.request()
+	for {
+		changed := f.Changed()
+		if f.store.Rev() >= rev {
+			return nil
+		}
+		if f.requests.answeredGeneration() >= gen {
+			return ErrAhead
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// WaitFresh waits until etcd has answered a progress request sent after the
+// call began, and returns the store's revision then: every event etcd had
+// committed when the call began is in the store. It fails with
+// ErrNotFollowing while the upstream watch is down, or with ctx's error.
+func (f *Follower) WaitFresh(ctx context.Context) (int64, error) {
+	if !f.Following() {
+		return 0, ErrNotFollowing
+	}
+	gen := f.requests.request()
+	for {
+		changed := f.Changed()
+		if f.requests.answeredGeneration() >= gen {
+			return f.store.Rev(), nil
+		}
+		if !f.Following() {
+			return 0, ErrNotFollowing
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		}
+	}
+}

@@ -1,0 +1,127 @@
+package progress
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+)
+
+// progressResend is how long a RequestProgress may go unanswered before it
+// is sent again: etcd drops, rather than defers, a request that arrives
+// while the watcher is catching up. kube-apiserver re-sends at this pace.
+const progressResend = 100 * time.Millisecond
+
+// progressRequests coalesces RequestProgress calls on the upstream watch.
+//
+// Requests are numbered by generation. A waiter counts only answers to
+// requests sent after it arrived (generation > sent at arrival). etcd's
+// answers carry no request id, so an answer is taken to answer the latest
+// request sent. If it was really an older one's, the waiter may give up
+// early; WaitRevision's callers then ask etcd, which is always correct, so
+// only latency is lost. At most one request is in flight; later waiters
+// share the next one.
+type progressRequests struct {
+	// kick wakes the sender; buffered 1, so a kick is never lost and never
+	// blocks.
+	kick chan struct{}
+
+	mu sync.Mutex
+	// All fields below are guarded by mu.
+	sent     uint64    // generation of the latest request sent; written by the sender
+	answered uint64    // generation of the latest request answered; written by answer
+	wanted   uint64    // highest generation any waiter needs; written by request
+	inFlight bool      // a request was sent and is unanswered
+	sentAt   time.Time // when the request in flight was sent
+}
+
+func newProgressRequests() *progressRequests {
+	return &progressRequests{kick: make(chan struct{}, 1)}
+}
+
+// request asks for a progress notification sent after this call and returns
+// the generation whose answer will prove it.
+func (p *progressRequests) request() uint64 {
+	p.mu.Lock()
+	need := p.sent + 1
+	p.wanted = max(p.wanted, need)
+	p.mu.Unlock()
+	p.wake()
+	return need
+}
+
+// answeredGeneration is the generation of the latest request answered.
+func (p *progressRequests) answeredGeneration() uint64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.answered
+}
+
+func (p *progressRequests) wake() {
+	select {
+	case p.kick <- struct{}{}:
+	default:
+	}
+}
+
+// answer records a progress notification that answers our RequestProgress.
+func (p *progressRequests) answer() {
+	p.mu.Lock()
+	if p.inFlight {
+		p.answered = p.sent
+		p.inFlight = false
+	}
+	p.mu.Unlock()
+	p.wake()
+}
+
+// streamLost forgets a request lost with a broken stream, and asks again for
+// the waiters that still need an answer.
+func (p *progressRequests) streamLost() {
+	p.mu.Lock()
+	p.inFlight = false
+	p.mu.Unlock()
+	p.wake()
+}
+
+// sendLoop sends a RequestProgress on stream whenever a waiter needs one
+// and none is in flight, re-sending one left unanswered, until ctx is done
+// or a send fails. ready reports whether the stream's watch is created: a
+// request sent before that would be dropped. sent is called per request.
+func (p *progressRequests) sendLoop(ctx context.Context, stream pb.Watch_WatchClient, ready func() bool, sent func()) error {
+	req := &pb.WatchRequest{RequestUnion: &pb.WatchRequest_ProgressRequest{ProgressRequest: &pb.WatchProgressRequest{}}}
+	resend := time.NewTimer(progressResend)
+	resend.Stop()
+	defer resend.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-p.kick:
+		case <-resend.C:
+		}
+		if !ready() {
+			continue // kicked again once the watch is created
+		}
+		p.mu.Lock()
+		expired := p.inFlight && time.Since(p.sentAt) >= progressResend
+		send := p.wanted > p.answered && (!p.inFlight || expired)
+		if send {
+			p.sent++
+			p.inFlight = true
+			p.sentAt = time.Now()
+		}
+		inFlight := p.inFlight
+		p.mu.Unlock()
+		if send {
+			sent()
+			if err := stream.Send(req); err != nil {
+				return err
+			}
+		}
+		if inFlight {
+			resend.Reset(progressResend)
+		}
+	}
+}

@@ -1,0 +1,87 @@
+package progress
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/zap/zaptest"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+)
+
+// fakeStatus answers Maintenance.Status with the version the test sets, or
+// fails while it is empty, and counts the calls.
+type fakeStatus struct {
+	mu      sync.Mutex
+	version string
+	calls   int
+	called  chan struct{} // receives after each call
+}
+
+func (f *fakeStatus) status(context.Context) (*pb.StatusResponse, error) {
+	f.mu.Lock()
+	v := f.version
+	f.calls++
+	f.mu.Unlock()
+	defer func() { f.called <- struct{}{} }()
+	if v == "" {
+		return nil, errors.New("etcdserver: permission denied")
+	}
+	return &pb.StatusResponse{Header: &pb.ResponseHeader{ClusterId: 1, MemberId: 2, RaftTerm: 3, Revision: 9}, Version: v}, nil
+}
+
+func (f *fakeStatus) set(v string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.version = v
+}
+
+// TestVersionTrackerRetriesAndFollowsReconnects: a failed Status leaves the
+// release unknown (never a guess) and is retried; a reconnect reads it
+// again, so an upgrade under the proxy is noticed.
+func TestVersionTrackerRetriesAndFollowsReconnects(t *testing.T) {
+	st := &upstreamState{}
+	fs := &fakeStatus{called: make(chan struct{}, 100)}
+	v := &versionTracker{state: st, status: fs.status, lg: zaptest.NewLogger(t), recheck: make(chan struct{}, 1)}
+
+	if v.refresh(context.Background()) || st.getVersion() != "" {
+		t.Fatalf("a failed Status left version %q, want unknown", st.getVersion())
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); v.run(ctx) }()
+	defer func() { cancel(); <-done }()
+
+	v.reconnected()
+	<-fs.called // the recheck fails: unknown, retried after versionRetryMin
+	fs.set("3.6.5")
+	waitVersion(t, st, "3.6.5")
+
+	fs.set("3.7.3") // upgraded under the proxy
+	v.reconnected()
+	waitVersion(t, st, "3.7.3")
+	var h pb.ResponseHeader
+	st.fill(&h)
+	if h.ClusterId != 1 || h.MemberId != 2 || h.RaftTerm != 3 {
+		t.Fatalf("header fields of Status not recorded: %+v", &h)
+	}
+}
+
+func waitVersion(t *testing.T, st *upstreamState, want string) {
+	t.Helper()
+	deadline := time.NewTimer(10 * time.Second)
+	defer deadline.Stop()
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	for st.getVersion() != want {
+		select {
+		case <-tick.C:
+		case <-deadline.C:
+			t.Fatalf("version %q, want %q", st.getVersion(), want)
+		}
+	}
+}
