@@ -18,6 +18,8 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
 // writeSome writes n changes over a few keys, alternating paths, including
@@ -73,11 +75,11 @@ func aroundShapes(prefix string) []*pb.RangeRequest {
 	p := []byte(prefix)
 	return []*pb.RangeRequest{
 		{Key: append(p, '1')},
-		{Key: p, RangeEnd: prefixEnd(p), Serializable: true},
+		{Key: p, RangeEnd: []byte(clientv3.GetPrefixRangeEnd(prefix)), Serializable: true},
 		{Key: []byte{0}, RangeEnd: []byte{0}},
 		{Key: []byte{0}, RangeEnd: []byte{0}, KeysOnly: true, Serializable: true},
 		{Key: []byte{0}, RangeEnd: []byte{0}, CountOnly: true},
-		{Key: p, RangeEnd: prefixEnd(p), SortTarget: pb.RangeRequest_MOD, SortOrder: pb.RangeRequest_DESCEND, Limit: 2},
+		{Key: p, RangeEnd: []byte(clientv3.GetPrefixRangeEnd(prefix)), SortTarget: pb.RangeRequest_MOD, SortOrder: pb.RangeRequest_DESCEND, Limit: 2},
 	}
 }
 
@@ -234,7 +236,7 @@ func TestCompactKubeStyle(t *testing.T) {
 		if got := c.etcdCompactRev(t); got != compactRev {
 			t.Fatalf("round %d: etcd compacted at %d, want %d", round, got, compactRev)
 		}
-		waitFor(t, "the proxy to mirror kube-apiserver's compaction", func() bool {
+		testsupport.WaitFor(t, waitTimeout, "the proxy to mirror kube-apiserver's compaction", func() bool {
 			return c.proxy.Store().CompactRev() == compactRev
 		})
 		c.waitSynced(t)
@@ -299,7 +301,7 @@ func TestCompactAutoPeriodic(t *testing.T) {
 			t.Fatal("etcd's compaction kept moving during every comparison")
 		}
 		compactRev, head := c.etcdCompactRev(t), c.etcdRev(t)
-		waitFor(t, "the proxy to mirror etcd's auto-compaction", func() bool {
+		testsupport.WaitFor(t, waitTimeout, "the proxy to mirror etcd's auto-compaction", func() bool {
 			st := c.proxy.Store()
 			return st.CompactRev() >= compactRev && st.Rev() >= head
 		})
@@ -316,8 +318,8 @@ func TestCompactAutoPeriodic(t *testing.T) {
 
 	// An idle etcd ends up compacted at its head, and stays there.
 	head := c.etcdRev(t)
-	waitFor(t, "etcd to auto-compact up to its idle head", func() bool { return c.etcdCompactRev(t) == head })
-	waitFor(t, "the proxy to mirror it", func() bool { return c.proxy.Store().CompactRev() == head })
+	testsupport.WaitFor(t, waitTimeout, "etcd to auto-compact up to its idle head", func() bool { return c.etcdCompactRev(t) == head })
+	testsupport.WaitFor(t, waitTimeout, "the proxy to mirror it", func() bool { return c.proxy.Store().CompactRev() == head })
 	if diffs := diffsAround(t, c, "ac/", head, head); len(diffs) > 0 {
 		t.Fatal(diffs[0])
 	}

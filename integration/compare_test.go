@@ -151,15 +151,3 @@ func rawConn(tb testing.TB, addr string) *grpc.ClientConn {
 	tb.Cleanup(func() { conn.Close() })
 	return conn
 }
-
-// prefixEnd is clientv3.GetPrefixRangeEnd for raw keys.
-func prefixEnd(key []byte) []byte {
-	end := append([]byte(nil), key...)
-	for i := len(end) - 1; i >= 0; i-- {
-		if end[i] < 0xff {
-			end[i]++
-			return end[:i+1]
-		}
-	}
-	return []byte{0}
-}

@@ -225,7 +225,7 @@ func randRange(r *rand.Rand, compactRev, head int64) *pb.RangeRequest {
 		}
 	case 3: // a prefix
 		req.Key = key()
-		req.RangeEnd = prefixEnd(req.Key)
+		req.RangeEnd = []byte(clientv3.GetPrefixRangeEnd(string(req.Key)))
 	case 4: // from key on
 		req.Key, req.RangeEnd = key(), []byte{0}
 	case 5: // the whole keyspace

@@ -2,10 +2,6 @@ package integration
 
 import (
 	"context"
-	"errors"
-	"io"
-	"net"
-	"sync"
 	"testing"
 	"time"
 
@@ -17,8 +13,13 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/embed"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
+
+// waitTimeout bounds every wait for a condition in the package's tests.
+const waitTimeout = 30 * time.Second
 
 // clusterOptions tune newCluster.
 type clusterOptions struct {
@@ -44,7 +45,7 @@ type clusterOptions struct {
 type cluster struct {
 	etcd  *embed.Etcd
 	proxy *server.Server
-	relay *relay // nil unless clusterOptions.relay
+	relay *testsupport.Relay // nil unless clusterOptions.relay
 
 	// direct talks to etcd, viaProxy to the proxy; both are real clientv3
 	// clients, and the pb clients below share their connections so that
@@ -58,22 +59,17 @@ type cluster struct {
 func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 	tb.Helper()
 	lg := zaptest.NewLogger(tb)
-	e, err := server.StartEmbedded(server.EmbeddedConfig{
-		Dir:                     tb.TempDir(),
+	e := proxytest.StartEtcd(tb, server.EmbeddedConfig{
 		AutoCompactionMode:      opts.autoCompactionMode,
 		AutoCompactionRetention: opts.autoCompactionRetention,
 		MaxRequestBytes:         uint(opts.maxRequestBytes),
 	})
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(e.Close)
 	c := &cluster{etcd: e, etcdAddr: e.Clients[0].Addr().String()}
 
 	upstream := c.etcdAddr
 	if opts.relay {
-		c.relay = newRelay(tb, c.etcdAddr)
-		upstream = c.relay.addr()
+		c.relay = testsupport.NewRelay(tb, c.etcdAddr)
+		upstream = c.relay.Addr()
 	}
 	c.proxyCfg = server.Config{
 		Endpoints:                   []string{"http://" + upstream},
@@ -100,22 +96,25 @@ func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 // startProxy starts (or restarts) the proxy and waits until it is ready.
 func (c *cluster) startProxy(tb testing.TB) {
 	tb.Helper()
-	p, err := server.Start(c.proxyCfg)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(p.Stop)
+	p := proxytest.StartProxy(tb, c.proxyCfg)
 	c.proxy = p
 	c.proxyAddr = p.Addr()
-	select {
-	case <-p.Ready():
-	case err := <-p.Err():
-		tb.Fatal(err)
-	case <-time.After(30 * time.Second):
-		tb.Fatal("proxy not ready after 30s")
-	}
 	c.viaProxy = newClient(tb, c.proxyAddr)
 	c.proxyKV = pb.NewKVClient(c.viaProxy.ActiveConnection())
+}
+
+// restartProxy stops the proxy once it has caught up with etcd, runs
+// whileDown (writes the proxy misses), and starts it again, waiting until
+// it has caught up; it returns the new proxy's history start: the first
+// revision whose events it holds.
+func (c *cluster) restartProxy(tb testing.TB, whileDown func()) int64 {
+	tb.Helper()
+	c.waitSynced(tb)
+	c.proxy.Stop()
+	whileDown()
+	c.startProxy(tb)
+	c.waitSynced(tb)
+	return c.proxy.Store().HistoryStart()
 }
 
 func newClient(tb testing.TB, addr string) *clientv3.Client {
@@ -158,116 +157,13 @@ func (c *cluster) etcdCompactRev(tb testing.TB) int64 {
 	return max(resp.CompactRevision, 0)
 }
 
-// waitFor checks cond every millisecond until it holds, failing after 30 s:
-// the proxy's state is observed, not assumed after a pause.
-func waitFor(tb testing.TB, what string, cond func() bool) {
-	tb.Helper()
-	deadline := time.NewTimer(30 * time.Second)
-	defer deadline.Stop()
-	tick := time.NewTicker(time.Millisecond)
-	defer tick.Stop()
-	for !cond() {
-		select {
-		case <-tick.C:
-		case <-deadline.C:
-			tb.Fatalf("timed out waiting for %s", what)
-		}
-	}
-}
-
 // waitSynced waits until the proxy's cache has applied etcd's current
 // revision and mirrors etcd's compaction revision.
 func (c *cluster) waitSynced(tb testing.TB) {
 	tb.Helper()
 	rev, compact := c.etcdRev(tb), c.etcdCompactRev(tb)
-	waitFor(tb, "the cache to reach etcd's revision and compaction", func() bool {
+	testsupport.WaitFor(tb, waitTimeout, "the cache to reach etcd's revision and compaction", func() bool {
 		st := c.proxy.Store()
 		return st.Rev() >= rev && st.CompactRev() >= compact
 	})
-}
-
-// relay is a TCP relay on loopback whose connections can be cut, to break
-// the proxy's upstream connection the way a network failure does.
-type relay struct {
-	tb     testing.TB
-	lis    net.Listener
-	target string
-
-	mu    sync.Mutex
-	cut   bool
-	conns map[net.Conn]struct{}
-	wg    sync.WaitGroup
-}
-
-func newRelay(tb testing.TB, target string) *relay {
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		tb.Fatal(err)
-	}
-	r := &relay{tb: tb, lis: lis, target: target, conns: map[net.Conn]struct{}{}}
-	r.wg.Add(1)
-	go r.accept()
-	tb.Cleanup(func() {
-		lis.Close()
-		r.Cut()
-		r.wg.Wait()
-	})
-	return r
-}
-
-func (r *relay) addr() string { return r.lis.Addr().String() }
-
-func (r *relay) accept() {
-	defer r.wg.Done()
-	for {
-		down, err := r.lis.Accept()
-		if err != nil {
-			return
-		}
-		r.mu.Lock()
-		if r.cut {
-			r.mu.Unlock()
-			down.Close()
-			continue
-		}
-		up, err := net.Dial("tcp", r.target)
-		if err != nil {
-			r.mu.Unlock()
-			down.Close()
-			continue
-		}
-		r.conns[down], r.conns[up] = struct{}{}, struct{}{}
-		r.mu.Unlock()
-		r.wg.Add(2)
-		go r.pipe(down, up)
-		go r.pipe(up, down)
-	}
-}
-
-func (r *relay) pipe(dst, src net.Conn) {
-	defer r.wg.Done()
-	_, err := io.Copy(dst, src)
-	if err != nil && !errors.Is(err, net.ErrClosed) {
-		r.tb.Logf("relay: %v", err)
-	}
-	dst.Close()
-	src.Close()
-}
-
-// Cut closes every relayed connection and refuses new ones until Restore.
-func (r *relay) Cut() {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.cut = true
-	for c := range r.conns {
-		c.Close()
-		delete(r.conns, c)
-	}
-}
-
-// Restore accepts connections again.
-func (r *relay) Restore() {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.cut = false
 }

@@ -1,3 +1,5 @@
+//go:build snapcachetest
+
 package integration
 
 import (
@@ -9,6 +11,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
 
@@ -63,7 +66,7 @@ func TestConsistencyCheckDetectsFallsBackAndRecovers(t *testing.T) {
 		}
 	}
 
-	waitFor(t, "a passing check after the reload", func() bool { return !checker.Fallback() })
+	testsupport.WaitFor(t, waitTimeout, "a passing check after the reload", func() bool { return !checker.Fallback() })
 	if checks("success") < 2 {
 		t.Fatalf("fallback lifted after %v successful checks", checks("success"))
 	}

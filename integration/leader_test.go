@@ -19,6 +19,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/embed"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
 
@@ -29,16 +31,11 @@ import (
 // three-member cluster loses its leader when two members stop.
 func TestRequireLeader(t *testing.T) {
 	members := startCluster(t, 3)
-	p, err := server.Start(server.Config{
+	p := proxytest.StartProxy(t, server.Config{
 		Endpoints:  []string{"http://" + members[0].e.Clients[0].Addr().String()},
 		ListenAddr: "127.0.0.1:0",
 		Logger:     zaptest.NewLogger(t),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(p.Stop)
-	<-p.Ready()
 	cli := newClient(t, p.Addr())
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -105,8 +102,8 @@ func startCluster(t *testing.T, n int) []*member {
 		cfg := embed.NewConfig()
 		cfg.Name = fmt.Sprintf("m%d", i)
 		cfg.Dir = t.TempDir()
-		curl, _ := url.Parse("http://" + freeAddr(t))
-		purl, _ := url.Parse("http://" + freeAddr(t))
+		curl, _ := url.Parse("http://" + testsupport.FreeAddr(t))
+		purl, _ := url.Parse("http://" + testsupport.FreeAddr(t))
 		cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{*curl}, []url.URL{*curl}
 		cfg.ListenPeerUrls, cfg.AdvertisePeerUrls = []url.URL{*purl}, []url.URL{*purl}
 		cfg.TickMs, cfg.ElectionMs = 20, 200

@@ -17,6 +17,8 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
 const (
@@ -88,7 +90,7 @@ func writeDirect(tb testing.TB, c *cluster, n int) int64 {
 func (c *cluster) cut(tb testing.TB) {
 	tb.Helper()
 	c.relay.Cut()
-	waitFor(tb, "the upstream watch to break", func() bool { return !c.proxy.Follower().Following() })
+	testsupport.WaitFor(tb, waitTimeout, "the upstream watch to break", func() bool { return !c.proxy.Follower().Following() })
 }
 
 // TestResumeAfterUpstreamBreak cuts the proxy's connection to etcd, writes
@@ -178,7 +180,7 @@ func TestReloadAfterCompactionWhileCut(t *testing.T) {
 	writeDirect(t, c, 10)
 	c.relay.Restore()
 
-	waitFor(t, "a reload for the compaction", func() bool {
+	testsupport.WaitFor(t, waitTimeout, "a reload for the compaction", func() bool {
 		return c.proxyMetric(t, mReloads, map[string]string{"reason": "compacted"}) >= 1
 	})
 	c.waitSynced(t)
@@ -228,11 +230,7 @@ func TestReloadAfterCompactionWhileCut(t *testing.T) {
 func TestRestartForwardsHistory(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
 	writeSome(t, c, "r/", 25)
-	c.waitSynced(t)
-	c.proxy.Stop()
-	writeDirect(t, c, 10)
-	c.startProxy(t)
-	c.waitSynced(t)
+	c.restartProxy(t, func() { writeDirect(t, c, 10) })
 	head := c.etcdRev(t)
 	loadRev := c.proxy.Store().OldestRev()
 	if loadRev != head {
@@ -260,11 +258,7 @@ func TestRestartWithRetainedHistory(t *testing.T) {
 		t.Fatal(err)
 	}
 	writeSome(t, c, "r/", 10)
-	c.waitSynced(t)
-	c.proxy.Stop()
-	writeDirect(t, c, 10)
-	c.startProxy(t)
-	c.waitSynced(t)
+	c.restartProxy(t, func() { writeDirect(t, c, 10) })
 	head := c.etcdRev(t)
 	if got := c.proxy.Store().OldestRev(); got != compactRev {
 		t.Fatalf("restarted proxy's oldest snapshot %d, want etcd's compaction %d", got, compactRev)
@@ -295,7 +289,7 @@ func TestFutureRevisionPromptWhenIdle(t *testing.T) {
 	const wait = 3 * time.Second
 	c.proxyCfg.RevisionWait = wait
 	c.startProxy(t)
-	waitFor(t, "the upstream watch", c.proxy.Follower().Following)
+	testsupport.WaitFor(t, waitTimeout, "the upstream watch", c.proxy.Follower().Following)
 
 	check := func(when string) {
 		t.Helper()

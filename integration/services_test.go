@@ -14,12 +14,14 @@ import (
 	"time"
 
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-	"google.golang.org/protobuf/proto"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 )
 
 func TestLeaseThroughProxy(t *testing.T) {
@@ -195,11 +197,11 @@ func TestLeaseExpiry(t *testing.T) {
 	if _, err := c.direct.Put(ctx, "exp/c", "3"); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "etcd to expire the lease", func() bool {
+	testsupport.WaitFor(t, waitTimeout, "etcd to expire the lease", func() bool {
 		r, err := c.direct.Get(ctx, "exp/", clientv3.WithPrefix())
 		return err == nil && r.Count == 1
 	})
-	waitFor(t, "the cache to see the expiry", func() bool {
+	testsupport.WaitFor(t, waitTimeout, "the cache to see the expiry", func() bool {
 		r, err := c.proxyKV.Range(ctx, &pb.RangeRequest{Key: []byte("exp/"), RangeEnd: []byte("exp0"), Serializable: true})
 		return err == nil && r.Count == 1
 	})
@@ -292,18 +294,6 @@ func collectEvents(t *testing.T, ch clientv3.WatchChan, upTo int64) []*mvccpb.Ev
 	return evs
 }
 
-func sameEvents(t *testing.T, what string, d, p []*mvccpb.Event) {
-	t.Helper()
-	if len(d) != len(p) {
-		t.Fatalf("%s: etcd sent %d events, the proxy %d", what, len(d), len(p))
-	}
-	for i := range d {
-		if !proto.Equal(d[i], p[i]) {
-			t.Fatalf("%s: event %d differs:\netcd:  %s\nproxy: %s", what, i, fmtMsg(d[i]), fmtMsg(p[i]))
-		}
-	}
-}
-
 func TestWatchThroughProxy(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -352,9 +342,13 @@ func TestWatchThroughProxy(t *testing.T) {
 	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithRev(first), clientv3.WithPrevKV()}
 	dw := c.direct.Watch(ctx, "w/", opts...)
 	pw := c.viaProxy.Watch(ctx, "w/", opts...)
-	sameEvents(t, "history", collectEvents(t, dw, head), collectEvents(t, pw, head))
+	if diff := proxytest.DiffEvents(collectEvents(t, dw, head), collectEvents(t, pw, head)); diff != "" {
+		t.Fatalf("history: %s", diff)
+	}
 	head = write(9)
-	sameEvents(t, "live", collectEvents(t, dw, head), collectEvents(t, pw, head))
+	if diff := proxytest.DiffEvents(collectEvents(t, dw, head), collectEvents(t, pw, head)); diff != "" {
+		t.Fatalf("live: %s", diff)
+	}
 
 	// A progress request on the proxy's watch is answered at etcd's head.
 	if err := c.viaProxy.RequestProgress(ctx); err != nil {

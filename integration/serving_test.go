@@ -29,6 +29,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/embed"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
 
@@ -37,15 +39,11 @@ import (
 // process is up, and both turn green once the load is done. The upstream is
 // given as a bare host:port.
 func TestReadinessFollowsTheLoad(t *testing.T) {
-	e, err := server.StartEmbedded(server.EmbeddedConfig{Dir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(e.Close)
-	r := newRelay(t, e.Clients[0].Addr().String())
+	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	r := testsupport.NewRelay(t, e.Clients[0].Addr().String())
 	r.Cut()
 	p, err := server.Start(server.Config{
-		Endpoints:   []string{r.addr()}, // host:port, no scheme
+		Endpoints:   []string{r.Addr()}, // host:port, no scheme
 		ListenAddr:  "127.0.0.1:0",
 		MetricsAddr: "127.0.0.1:0",
 		Logger:      zaptest.NewLogger(t),
@@ -88,15 +86,11 @@ func TestReadinessFollowsTheLoad(t *testing.T) {
 	}
 
 	r.Restore()
-	select {
-	case <-p.Ready():
-	case <-time.After(30 * time.Second):
-		t.Fatal("not ready after the upstream came back")
-	}
+	proxytest.WaitReady(t, p)
 	if code, _ := get("/readyz"); code != http.StatusOK {
 		t.Fatalf("/readyz = %d after the load, want 200", code)
 	}
-	waitFor(t, "health SERVING", func() bool { return health() == healthpb.HealthCheckResponse_SERVING })
+	testsupport.WaitFor(t, waitTimeout, "health SERVING", func() bool { return health() == healthpb.HealthCheckResponse_SERVING })
 	if _, body := get("/metrics"); !strings.Contains(body, "etcd_snapcache_cache_revision") {
 		t.Fatal("/metrics lacks etcd_snapcache_cache_revision")
 	}
@@ -113,8 +107,8 @@ func TestTLSBothWays(t *testing.T) {
 
 	cfg := embed.NewConfig()
 	cfg.Dir = filepath.Join(dir, "etcd")
-	curl, _ := url.Parse("https://" + freeAddr(t))
-	purl, _ := url.Parse("http://" + freeAddr(t))
+	curl, _ := url.Parse("https://" + testsupport.FreeAddr(t))
+	purl, _ := url.Parse("http://" + testsupport.FreeAddr(t))
 	cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{*curl}, []url.URL{*curl}
 	cfg.ListenPeerUrls, cfg.AdvertisePeerUrls = []url.URL{*purl}, []url.URL{*purl}
 	cfg.InitialCluster = cfg.InitialClusterFromName(cfg.Name)
@@ -127,18 +121,13 @@ func TestTLSBothWays(t *testing.T) {
 	t.Cleanup(e.Close)
 	<-e.Server.ReadyNotify()
 
-	p, err := server.Start(server.Config{
+	p := proxytest.StartProxy(t, server.Config{
 		Endpoints:   []string{curl.String()},
 		ListenAddr:  "127.0.0.1:0",
 		UpstreamTLS: transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: pki.clientCert, KeyFile: pki.clientKey},
 		ServerTLS:   transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca},
 		Logger:      zaptest.NewLogger(t),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(p.Stop)
-	<-p.Ready()
 
 	clientTLS, err := transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: pki.clientCert, KeyFile: pki.clientKey}.ClientConfig()
 	if err != nil {
@@ -155,7 +144,7 @@ func TestTLSBothWays(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the cache to apply the put", func() bool { return p.Store().Rev() >= put.Header.Revision })
+	testsupport.WaitFor(t, waitTimeout, "the cache to apply the put", func() bool { return p.Store().Rev() >= put.Header.Revision })
 	got, err := cli.Get(ctx, "tls", clientv3.WithRev(put.Header.Revision))
 	if err != nil || len(got.Kvs) != 1 || string(got.Kvs[0].Value) != "yes" {
 		t.Fatalf("get through TLS: %v %v", got, err)
@@ -220,14 +209,4 @@ func newTestPKI(t *testing.T, dir string) testPKI {
 	p.serverCert, p.serverKey = leaf("server", 2, x509.ExtKeyUsageServerAuth)
 	p.clientCert, p.clientKey = leaf("client", 3, x509.ExtKeyUsageClientAuth)
 	return p
-}
-
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
 }

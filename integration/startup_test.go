@@ -11,6 +11,7 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
 
@@ -20,11 +21,7 @@ import (
 // all is served from the cache. The load is held on its second page by the
 // BeforeLoadPage test hook.
 func TestWhileLoading(t *testing.T) {
-	e, err := server.StartEmbedded(server.EmbeddedConfig{Dir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(e.Close)
+	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
 	direct := newClient(t, e.Clients[0].Addr().String())
 	ctx := context.Background()
 	for _, k := range []string{"a", "b", "c", "d"} {
@@ -103,11 +100,7 @@ func TestWhileLoading(t *testing.T) {
 	}
 
 	close(release)
-	select {
-	case <-p.Ready():
-	case <-time.After(30 * time.Second):
-		t.Fatal("not ready after the load was released")
-	}
+	proxytest.WaitReady(t, p)
 	got, err := kv.Range(ctx, &pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z")})
 	if err != nil || got.Count != 4 {
 		t.Fatalf("after the load: %v, %v", got, err)

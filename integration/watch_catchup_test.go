@@ -16,22 +16,11 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 )
 
-// wxRestartProxy stops the proxy, writes with fn while it is down, and
-// starts it again; it returns the new proxy's history start: the first
-// revision whose events it holds.
-func wxRestartProxy(t *testing.T, c *cluster, fn func()) int64 {
-	t.Helper()
-	c.waitSynced(t)
-	c.proxy.Stop()
-	fn()
-	c.startProxy(t)
-	c.waitSynced(t)
-	return c.proxy.Store().HistoryStart()
-}
-
-const wxCatchupMetric = "etcd_snapcache_watch_catchups_total"
+const catchupMetric = "etcd_snapcache_watch_catchups_total"
 
 // TestWatchDifferentialBeforeProxyHistory: after a restart, watches from
 // revisions etcd retains but the proxy does not hold get every event as
@@ -39,7 +28,7 @@ const wxCatchupMetric = "etcd_snapcache_watch_catchups_total"
 // the compaction cancel.
 func TestWatchDifferentialBeforeProxyHistory(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	write := func(n int, tag string) int64 {
 		var rev int64
 		for i := range n {
@@ -61,35 +50,35 @@ func TestWatchDifferentialBeforeProxyHistory(t *testing.T) {
 		t.Fatal(err)
 	}
 	write(10, "c")
-	historyStart := wxRestartProxy(t, c, func() { write(12, "d") })
+	historyStart := c.restartProxy(t, func() { write(12, "d") })
 	loadRev := historyStart - 1
 	if loadRev <= compactRev+5 {
 		t.Fatalf("the restarted proxy's history starts at %d, too close to the compaction at %d", historyStart, compactRev)
 	}
-	catchups0 := c.proxyMetric(t, wxCatchupMetric, nil)
+	catchups0 := c.proxyMetric(t, catchupMetric, nil)
 
-	pr := wxOpenPair(t, c)
+	pr := openStreamPair(t, c)
 	h := func(start int64) *pb.WatchCreateRequest {
-		return &pb.WatchCreateRequest{Key: []byte("h/"), RangeEnd: prefixEnd([]byte("h/")), StartRevision: start}
+		return &pb.WatchCreateRequest{Key: []byte("h/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("h/")), StartRevision: start}
 	}
 	creates := []*pb.WatchCreateRequest{
 		h(compactRev - 1), // 0: compacted
-		{Key: []byte("h/"), RangeEnd: prefixEnd([]byte("h/")), StartRevision: compactRev, PrevKv: true},                 // 1: from the compaction
-		{Key: []byte("h/"), RangeEnd: prefixEnd([]byte("h/")), StartRevision: compactRev + 3, Filters: wxNoPut},         // 2
-		{Key: []byte("h/1"), StartRevision: compactRev + 1},                                                             // 3: one key
-		{Key: []byte{0}, RangeEnd: wxFromKey, StartRevision: loadRev},                                                   // 4: exactly the load revision
-		{Key: []byte{0}, RangeEnd: wxFromKey, StartRevision: historyStart},                                              // 5: no catch-up
-		{Key: []byte("h/"), RangeEnd: prefixEnd([]byte("h/")), StartRevision: compactRev, PrevKv: true, Fragment: true}, // 6
+		{Key: []byte("h/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("h/")), StartRevision: compactRev, PrevKv: true},                 // 1: from the compaction
+		{Key: []byte("h/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("h/")), StartRevision: compactRev + 3, Filters: filterNoPut},     // 2
+		{Key: []byte("h/1"), StartRevision: compactRev + 1},                                                                              // 3: one key
+		{Key: []byte{0}, RangeEnd: fromKeyEnd, StartRevision: loadRev},                                                                   // 4: exactly the load revision
+		{Key: []byte{0}, RangeEnd: fromKeyEnd, StartRevision: historyStart},                                                              // 5: no catch-up
+		{Key: []byte("h/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("h/")), StartRevision: compactRev, PrevKv: true, Fragment: true}, // 6
 		h(1), // 7: long compacted
-		{Key: []byte("h/2"), RangeEnd: wxFromKey, StartRevision: compactRev + 2, PrevKv: true, Filters: wxNoDelete}, // 8
-		{Key: []byte("h/3"), RangeEnd: []byte("h/4\x00"), StartRevision: loadRev - 1},                               // 9
+		{Key: []byte("h/2"), RangeEnd: fromKeyEnd, StartRevision: compactRev + 2, PrevKv: true, Filters: filterNoDelete}, // 8
+		{Key: []byte("h/3"), RangeEnd: []byte("h/4\x00"), StartRevision: loadRev - 1},                                    // 9
 	}
 	for _, cr := range creates {
 		pr.create(cr)
 	}
 	pr.waitCreated(len(creates))
-	for _, s := range []*wxStream{pr.d, pr.p} {
-		s.waitUntil("the compaction cancels", wxCountCanceled(2))
+	for _, s := range []*watchStream{pr.d, pr.p} {
+		s.waitUntil("the compaction cancels", cancelsAtLeast(2))
 	}
 	for _, id := range []int64{0, 7} { // else no progress request is answered (see TestWatchDifferentialCompaction)
 		pr.cancelWatch(id)
@@ -98,12 +87,12 @@ func TestWatchDifferentialBeforeProxyHistory(t *testing.T) {
 	c.waitSynced(t)
 	pr.syncTo(head)
 	d, p := pr.d.responses(), pr.p.responses()
-	wxCompare(t, "before the proxy's history", d, p, wxCompareOpts{quiescent: true, compactRev: compactRev})
-	_, dw, _ := wxSplit(d)
+	compareStreams(t, "before the proxy's history", d, p, compareOpts{quiescent: true, compactRev: compactRev})
+	_, dw, _ := splitResponses(d)
 	if evs := dw[1].events; len(evs) == 0 || evs[0].Kv.ModRevision != compactRev || evs[0].Type != mvccpb.DELETE {
-		t.Fatalf("etcd's watch from the compaction revision %d does not start with the DELETE there:\n%s", compactRev, wxDump(d))
+		t.Fatalf("etcd's watch from the compaction revision %d does not start with the DELETE there:\n%s", compactRev, dumpResponses(d))
 	}
-	if n := c.proxyMetric(t, wxCatchupMetric, nil) - catchups0; n < 7 {
+	if n := c.proxyMetric(t, catchupMetric, nil) - catchups0; n < 7 {
 		t.Fatalf("%v watches caught up from etcd, want the 7 that start before the proxy's history", n)
 	}
 }
@@ -113,12 +102,12 @@ func TestWatchDifferentialBeforeProxyHistory(t *testing.T) {
 // under them: still exactly etcd's events, none lost or repeated.
 func TestWatchCatchupUnderWrites(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	start := w.put("s/0", "0")
 	for i := 1; i < 20; i++ {
 		w.put(fmt.Sprintf("s/%d", i%4), fmt.Sprint(i))
 	}
-	historyStart := wxRestartProxy(t, c, func() {
+	historyStart := c.restartProxy(t, func() {
 		for i := range 20 {
 			w.put(fmt.Sprintf("s/%d", i%4), fmt.Sprint("down", i))
 		}
@@ -141,10 +130,10 @@ func TestWatchCatchupUnderWrites(t *testing.T) {
 	}()
 	defer func() { stop.Store(true); wg.Wait() }()
 
-	pr := wxOpenPair(t, c)
+	pr := openStreamPair(t, c)
 	var n int
 	for _, from := range []int64{start, start + 7, historyStart - 3, historyStart - 1, historyStart} {
-		pr.create(&pb.WatchCreateRequest{Key: []byte("s/"), RangeEnd: prefixEnd([]byte("s/")), StartRevision: from, PrevKv: true})
+		pr.create(&pb.WatchCreateRequest{Key: []byte("s/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("s/")), StartRevision: from, PrevKv: true})
 		pr.create(&pb.WatchCreateRequest{Key: []byte("s/1"), StartRevision: from})
 		n += 2
 	}
@@ -153,7 +142,7 @@ func TestWatchCatchupUnderWrites(t *testing.T) {
 	head := last.Load()
 	c.waitSynced(t)
 	pr.syncTo(head)
-	wxCompare(t, "catch-up under writes", pr.d.responses(), pr.p.responses(), wxCompareOpts{})
+	compareStreams(t, "catch-up under writes", pr.d.responses(), pr.p.responses(), compareOpts{})
 }
 
 // TestWatchCatchupLongHistory: a watch that starts more than 1000
@@ -164,17 +153,17 @@ func TestWatchCatchupUnderWrites(t *testing.T) {
 func TestWatchCatchupLongHistory(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
 	var first int64
-	historyStart := wxRestartProxy(t, c, func() {
+	historyStart := c.restartProxy(t, func() {
 		first = c.etcdRev(t) + 1
-		wxParallelPuts(t, c.direct, 1100, 8, func(i int) string { return fmt.Sprintf("long/%03d", i%50) })
+		parallelPuts(t, c.direct, 1100, 8, func(i int) string { return fmt.Sprintf("long/%03d", i%50) })
 	})
 	if historyStart-first < 1050 {
 		t.Fatalf("only %d revisions before the proxy's history", historyStart-first)
 	}
-	pr := wxOpenPair(t, c)
-	pr.create(&pb.WatchCreateRequest{Key: []byte("long/"), RangeEnd: prefixEnd([]byte("long/")), StartRevision: first})
+	pr := openStreamPair(t, c)
+	pr.create(&pb.WatchCreateRequest{Key: []byte("long/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("long/")), StartRevision: first})
 	pr.waitCreated(1)
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	for i := range 3 {
 		w.put(fmt.Sprintf("long/%03d", i), "after")
 	}
@@ -182,9 +171,9 @@ func TestWatchCatchupLongHistory(t *testing.T) {
 	c.waitSynced(t)
 	pr.syncTo(head)
 	d, p := pr.d.responses(), pr.p.responses()
-	_, dw, _ := wxSplit(d)
-	_, pw, _ := wxSplit(p)
-	if diff := wxSameEvents(dw[0].events, pw[0].events); diff != "" {
+	_, dw, _ := splitResponses(d)
+	_, pw, _ := splitResponses(p)
+	if diff := proxytest.DiffEvents(dw[0].events, pw[0].events); diff != "" {
 		got := pw[0].events
 		var gap string
 		for i := 1; i < len(got); i++ {
@@ -195,7 +184,7 @@ func TestWatchCatchupLongHistory(t *testing.T) {
 		}
 		t.Fatalf("watch from %d, %d revisions before the proxy's history at %d%s: %s", first, historyStart-first, historyStart, gap, diff)
 	}
-	wxCompare(t, "long catch-up", d, p, wxCompareOpts{quiescent: true})
+	compareStreams(t, "long catch-up", d, p, compareOpts{quiescent: true})
 }
 
 // TestWatchProgressAfterCatchup: a progress request right behind the create
@@ -203,17 +192,17 @@ func TestWatchCatchupLongHistory(t *testing.T) {
 // up to the notification's revision.
 func TestWatchProgressAfterCatchup(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	first := w.put("pc/0", "0")
-	wxRestartProxy(t, c, func() {
-		wxParallelPuts(t, c.direct, 300, 8, func(i int) string { return fmt.Sprintf("pc/%d", i%7) })
+	c.restartProxy(t, func() {
+		parallelPuts(t, c.direct, 300, 8, func(i int) string { return fmt.Sprintf("pc/%d", i%7) })
 	})
 	head := w.put("pc/1", "after")
 	c.waitSynced(t)
-	cr := &pb.WatchCreateRequest{Key: []byte("pc/"), RangeEnd: prefixEnd([]byte("pc/")), StartRevision: first, PrevKv: true}
-	want := wxCollectAll(t, c, cr, head)
+	cr := &pb.WatchCreateRequest{Key: []byte("pc/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("pc/")), StartRevision: first, PrevKv: true}
+	want := referenceEvents(t, c, cr, head)
 
-	wxProgressBehindHistory(t, c, "pc/", cr, want, head)
+	checkProgressBehindHistory(t, c, "pc/", cr, want, head)
 }
 
 // TestWatchDifferentialRetainedHistory: a proxy started with
@@ -223,7 +212,7 @@ func TestWatchProgressAfterCatchup(t *testing.T) {
 // a catch-up, with the DELETE at that revision.
 func TestWatchDifferentialRetainedHistory(t *testing.T) {
 	c := newCluster(t, clusterOptions{loadRetainedHistory: true})
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	w.put("rh/a", "1")
 	w.put("rh/b", "1")
 	w.txn(clientv3.OpPut("rh/a", "2"), clientv3.OpPut("rh/c", "1"))
@@ -232,21 +221,21 @@ func TestWatchDifferentialRetainedHistory(t *testing.T) {
 	if _, err := c.direct.Compact(context.Background(), compactRev); err != nil {
 		t.Fatal(err)
 	}
-	historyStart := wxRestartProxy(t, c, func() {
+	historyStart := c.restartProxy(t, func() {
 		w.txn(clientv3.OpDelete("rh/a"), clientv3.OpPut("rh/d", "1"))
 		w.put("rh/c", "2")
 	})
 	if historyStart != compactRev+1 {
 		t.Fatalf("the proxy's history starts at %d, want after the compaction at %d", historyStart, compactRev)
 	}
-	pr := wxOpenPair(t, c)
+	pr := openStreamPair(t, c)
 	for _, start := range []int64{compactRev - 1, compactRev, compactRev + 1, compactRev + 2} {
-		pr.create(&pb.WatchCreateRequest{Key: []byte("rh/"), RangeEnd: prefixEnd([]byte("rh/")), StartRevision: start})
-		pr.create(&pb.WatchCreateRequest{Key: []byte("rh/"), RangeEnd: prefixEnd([]byte("rh/")), StartRevision: start, PrevKv: true})
+		pr.create(&pb.WatchCreateRequest{Key: []byte("rh/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("rh/")), StartRevision: start})
+		pr.create(&pb.WatchCreateRequest{Key: []byte("rh/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("rh/")), StartRevision: start, PrevKv: true})
 	}
 	pr.waitCreated(8)
-	for _, s := range []*wxStream{pr.d, pr.p} {
-		s.waitUntil("the compaction cancels", wxCountCanceled(2))
+	for _, s := range []*watchStream{pr.d, pr.p} {
+		s.waitUntil("the compaction cancels", cancelsAtLeast(2))
 	}
 	pr.cancelWatch(0)
 	pr.cancelWatch(1)
@@ -254,10 +243,10 @@ func TestWatchDifferentialRetainedHistory(t *testing.T) {
 	c.waitSynced(t)
 	pr.syncTo(head)
 	d, p := pr.d.responses(), pr.p.responses()
-	wxCompare(t, "retained history", d, p, wxCompareOpts{quiescent: true, compactRev: compactRev})
-	_, pw, _ := wxSplit(p)
+	compareStreams(t, "retained history", d, p, compareOpts{quiescent: true, compactRev: compactRev})
+	_, pw, _ := splitResponses(p)
 	if evs := pw[2].events; len(evs) == 0 || evs[0].Kv.ModRevision != compactRev || evs[0].Type != mvccpb.DELETE {
-		t.Fatalf("the proxy's watch from the compaction revision %d does not start with the DELETE there:\n%s", compactRev, wxDump(p))
+		t.Fatalf("the proxy's watch from the compaction revision %d does not start with the DELETE there:\n%s", compactRev, dumpResponses(p))
 	}
 }
 
@@ -269,16 +258,16 @@ func TestWatchDifferentialRetainedHistory(t *testing.T) {
 func TestWatchCatchupWatchIDReuse(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
 	var first int64
-	historyStart := wxRestartProxy(t, c, func() {
+	historyStart := c.restartProxy(t, func() {
 		first = c.etcdRev(t) + 1
-		wxParallelPuts(t, c.direct, 400, 8, func(i int) string { return fmt.Sprintf("reuse/%02d", i%20) })
+		parallelPuts(t, c.direct, 400, 8, func(i int) string { return fmt.Sprintf("reuse/%02d", i%20) })
 	})
 	const cycles = 100
 	starts := make([]int64, 0, cycles+1)
-	s := wxOpen(t, c.viaProxy.ActiveConnection(), "proxy")
+	s := openWatchStream(t, c.viaProxy.ActiveConnection(), "proxy")
 	create := func(start int64) {
 		starts = append(starts, start)
-		s.create(&pb.WatchCreateRequest{Key: []byte("reuse/"), RangeEnd: prefixEnd([]byte("reuse/")), WatchId: 5, StartRevision: start, PrevKv: true})
+		s.create(&pb.WatchCreateRequest{Key: []byte("reuse/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("reuse/")), WatchId: 5, StartRevision: start, PrevKv: true})
 	}
 	for i := range cycles {
 		create(first + int64(i*9)%(historyStart-first))
@@ -287,11 +276,11 @@ func TestWatchCatchupWatchIDReuse(t *testing.T) {
 	final := first + 100
 	create(final)
 	s.waitCreated(cycles + 1)
-	head := wxWriter{t, c.direct}.put("reuse/00", "after")
+	head := etcdWriter{t, c.direct}.put("reuse/00", "after")
 	c.waitSynced(t)
-	want := wxCollectAll(t, c, &pb.WatchCreateRequest{Key: []byte("reuse/"), RangeEnd: prefixEnd([]byte("reuse/")), StartRevision: final, PrevKv: true}, head)
+	want := referenceEvents(t, c, &pb.WatchCreateRequest{Key: []byte("reuse/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("reuse/")), StartRevision: final, PrevKv: true}, head)
 	log := s.syncTo(head)
-	wxCheckStream(t, "proxy", log, true)
+	checkStream(t, "proxy", log, true)
 
 	// Sort the events by incarnation of id 5.
 	k := -1
@@ -303,11 +292,11 @@ func TestWatchCatchupWatchIDReuse(t *testing.T) {
 			evs = append(evs, nil)
 		case len(r.Events) > 0:
 			if k < 0 {
-				t.Fatalf("events before any created response:\n%s", wxDump(log))
+				t.Fatalf("events before any created response:\n%s", dumpResponses(log))
 			}
 			if r.Events[0].Kv.ModRevision < starts[k] {
 				t.Fatalf("response %d: incarnation %d of watch 5 starts at %d but gets an event at %d (of an earlier incarnation's catch-up):\n%s",
-					i, k, starts[k], r.Events[0].Kv.ModRevision, wxDump(log[max(0, i-10):min(len(log), i+5)]))
+					i, k, starts[k], r.Events[0].Kv.ModRevision, dumpResponses(log[max(0, i-10):min(len(log), i+5)]))
 			}
 			evs[k] = append(evs[k], r)
 		}
@@ -316,7 +305,7 @@ func TestWatchCatchupWatchIDReuse(t *testing.T) {
 	for _, r := range evs[cycles] {
 		got = append(got, r.Events...)
 	}
-	if diff := wxSameEvents(want, got); diff != "" {
+	if diff := proxytest.DiffEvents(want, got); diff != "" {
 		t.Fatalf("the last incarnation of watch 5, from %d: %s", final, diff)
 	}
 }

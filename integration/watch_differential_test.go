@@ -2,7 +2,7 @@ package integration
 
 // Differential Watch tests: the same raw Watch requests on a stream to etcd
 // and on a stream to the proxy, the same writes, and a comparison of what
-// etcd determines (see wxCompare): the created responses, each watch's exact
+// etcd determines (see compareStreams): the created responses, each watch's exact
 // events, and its cancel. How etcd batches events into responses depends on
 // timing and is not compared, except for fragmenting watchers.
 
@@ -17,12 +17,14 @@ import (
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/storage/mvcc"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 )
 
 var (
-	wxNoPut    = []pb.WatchCreateRequest_FilterType{pb.WatchCreateRequest_NOPUT}
-	wxNoDelete = []pb.WatchCreateRequest_FilterType{pb.WatchCreateRequest_NODELETE}
-	wxFromKey  = []byte{0}
+	filterNoPut    = []pb.WatchCreateRequest_FilterType{pb.WatchCreateRequest_NOPUT}
+	filterNoDelete = []pb.WatchCreateRequest_FilterType{pb.WatchCreateRequest_NODELETE}
+	fromKeyEnd     = []byte{0}
 )
 
 // TestWatchDifferentialCreateOptions: every shape of create request, on one
@@ -35,7 +37,7 @@ var (
 func TestWatchDifferentialCreateOptions(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
 	ctx := context.Background()
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	lease, err := c.direct.Grant(ctx, 600)
 	if err != nil {
 		t.Fatal(err)
@@ -55,27 +57,27 @@ func TestWatchDifferentialCreateOptions(t *testing.T) {
 	head := w.put("a/2", "back", clientv3.WithLease(lease.ID))
 	c.waitSynced(t)
 
-	pr := wxOpenPair(t, c)
+	pr := openStreamPair(t, c)
 	creates := []*pb.WatchCreateRequest{
 		{Key: []byte("a"), StartRevision: past}, // 0: single key from the past
 		{Key: []byte("a")},                      // 1: single key from now
-		{Key: []byte("a/"), RangeEnd: prefixEnd([]byte("a/")), StartRevision: past}, // 2: prefix
-		{Key: []byte("a"), RangeEnd: []byte("b/1"), StartRevision: first},           // 3: [key, end)
-		{Key: []byte("b"), RangeEnd: wxFromKey, StartRevision: past},                // 4: from key
-		{Key: []byte{0}, RangeEnd: wxFromKey, StartRevision: first},                 // 5: whole keyspace
+		{Key: []byte("a/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("a/")), StartRevision: past}, // 2: prefix
+		{Key: []byte("a"), RangeEnd: []byte("b/1"), StartRevision: first},                            // 3: [key, end)
+		{Key: []byte("b"), RangeEnd: fromKeyEnd, StartRevision: past},                                // 4: from key
+		{Key: []byte{0}, RangeEnd: fromKeyEnd, StartRevision: first},                                 // 5: whole keyspace
 		{StartRevision: first}, // 6: empty key: "\x00"
-		{RangeEnd: wxFromKey, StartRevision: past, PrevKv: true},                                       // 7: empty key from key: all
-		{RangeEnd: []byte("b"), StartRevision: first},                                                  // 8: empty key to "b"
-		{Key: []byte("a/"), RangeEnd: prefixEnd([]byte("a/")), StartRevision: past, PrevKv: true},      // 9: prefix, prev_kv
-		{Key: []byte("a/"), RangeEnd: prefixEnd([]byte("a/")), StartRevision: past, Filters: wxNoPut},  // 10: NOPUT
-		{Key: []byte{0}, RangeEnd: wxFromKey, StartRevision: first, PrevKv: true, Filters: wxNoDelete}, // 11: NODELETE
-		{Key: []byte{0}, RangeEnd: wxFromKey, StartRevision: first,
+		{RangeEnd: fromKeyEnd, StartRevision: past, PrevKv: true},                                                          // 7: empty key from key: all
+		{RangeEnd: []byte("b"), StartRevision: first},                                                                      // 8: empty key to "b"
+		{Key: []byte("a/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("a/")), StartRevision: past, PrevKv: true},         // 9: prefix, prev_kv
+		{Key: []byte("a/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("a/")), StartRevision: past, Filters: filterNoPut}, // 10: NOPUT
+		{Key: []byte{0}, RangeEnd: fromKeyEnd, StartRevision: first, PrevKv: true, Filters: filterNoDelete},                // 11: NODELETE
+		{Key: []byte{0}, RangeEnd: fromKeyEnd, StartRevision: first,
 			Filters: []pb.WatchCreateRequest_FilterType{pb.WatchCreateRequest_NOPUT, pb.WatchCreateRequest_NODELETE}}, // 12: nothing
-		{Key: []byte("a/"), RangeEnd: prefixEnd([]byte("a/")), StartRevision: head + 4, PrevKv: true}, // 13: future
+		{Key: []byte("a/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("a/")), StartRevision: head + 4, PrevKv: true}, // 13: future
 		{Key: []byte("a"), StartRevision: head + 1},                                                   // 14: the next revision
-		{Key: []byte("a"), RangeEnd: wxFromKey, StartRevision: head},                                  // 15: exactly the head
-		{Key: []byte("b"), RangeEnd: prefixEnd([]byte("b")), ProgressNotify: true},                    // 16: progress_notify
-		{Key: []byte{0}, RangeEnd: wxFromKey, StartRevision: first, PrevKv: true, Fragment: true},     // 17: fragment (small)
+		{Key: []byte("a"), RangeEnd: fromKeyEnd, StartRevision: head},                                 // 15: exactly the head
+		{Key: []byte("b"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("b")), ProgressNotify: true},   // 16: progress_notify
+		{Key: []byte{0}, RangeEnd: fromKeyEnd, StartRevision: first, PrevKv: true, Fragment: true},    // 17: fragment (small)
 		{Key: []byte("c"), WatchId: 100, StartRevision: past},                                         // 18: client id
 		{Key: []byte("zz"), WatchId: 100},                                                             // 19: duplicate id
 		{Key: []byte("b"), RangeEnd: []byte("a")},                                                     // 20: inverted range
@@ -83,8 +85,8 @@ func TestWatchDifferentialCreateOptions(t *testing.T) {
 		{Key: []byte("a"), StartRevision: -5},                                                         // 22: negative start
 		{Key: []byte("zz"), WatchId: 18, StartRevision: first},                                        // 23: client id = the next auto id
 		{Key: []byte("zz"), StartRevision: first},                                                     // 24: auto id skips 18: 19
-		{Key: []byte("zz"), RangeEnd: []byte("zz\x00"), StartRevision: past, Filters: wxNoDelete},     // 25: 20
-		{Key: []byte{0}, RangeEnd: wxFromKey, StartRevision: 1, PrevKv: true},                         // 26 (21): from revision 1, before the proxy's history
+		{Key: []byte("zz"), RangeEnd: []byte("zz\x00"), StartRevision: past, Filters: filterNoDelete}, // 25: 20
+		{Key: []byte{0}, RangeEnd: fromKeyEnd, StartRevision: 1, PrevKv: true},                        // 26 (21): from revision 1, before the proxy's history
 		{StartRevision: 1}, // 27 (22): the empty key from revision 1
 	}
 	for _, cr := range creates {
@@ -111,13 +113,13 @@ func TestWatchDifferentialCreateOptions(t *testing.T) {
 	// Cancels at a quiescent point: the header of the answer is comparable.
 	pr.cancelWatch(2)
 	pr.cancelWatch(100)
-	pr.d.waitUntil("two cancels", wxCountCanceled(2))
-	pr.p.waitUntil("two cancels", wxCountCanceled(2))
+	pr.d.waitUntil("two cancels", cancelsAtLeast(2))
+	pr.p.waitUntil("two cancels", cancelsAtLeast(2))
 	d, p := pr.d.responses(), pr.p.responses()
-	wxCompare(t, "create options", d, p, wxCompareOpts{quiescent: true})
+	compareStreams(t, "create options", d, p, compareOpts{quiescent: true})
 
 	// The refusals carry etcd's reasons.
-	dc, _, _ := wxSplit(d)
+	dc, _, _ := splitResponses(d)
 	for i, want := range map[int]string{
 		19: mvcc.ErrWatcherDuplicateID.Error(),
 		20: mvcc.ErrEmptyWatcherRange.Error(),
@@ -129,7 +131,7 @@ func TestWatchDifferentialCreateOptions(t *testing.T) {
 		}
 	}
 	// Every watch got something, so that the comparison above is not vacuous.
-	_, dw, _ := wxSplit(d)
+	_, dw, _ := splitResponses(d)
 	for _, id := range []int64{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 14, 15, 16, 17, 100, 18, 19, 20, 21, 22} {
 		if len(dw[id].events) == 0 {
 			t.Errorf("watch %d got no events from etcd: the workload does not exercise it", id)
@@ -137,7 +139,7 @@ func TestWatchDifferentialCreateOptions(t *testing.T) {
 	}
 }
 
-func wxCountCanceled(n int) func([]*pb.WatchResponse) bool {
+func cancelsAtLeast(n int) func([]*pb.WatchResponse) bool {
 	return func(log []*pb.WatchResponse) bool {
 		k := 0
 		for _, r := range log {
@@ -157,7 +159,7 @@ func wxCountCanceled(n int) func([]*pb.WatchResponse) bool {
 func TestWatchDifferentialCompaction(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
 	ctx := context.Background()
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	w.put("k/a", "1")
 	w.put("k/del", "doomed")
 	w.txn(clientv3.OpPut("k/b", "1"), clientv3.OpPut("other", "1"))
@@ -166,9 +168,9 @@ func TestWatchDifferentialCompaction(t *testing.T) {
 	w.put("k/b", "2")
 	w.txn(clientv3.OpPut("k/del", "reborn"), clientv3.OpDelete("k/a"))
 
-	live := wxOpenPair(t, c)
+	live := openStreamPair(t, c)
 	c.waitSynced(t)
-	live.create(&pb.WatchCreateRequest{Key: []byte("k/"), RangeEnd: prefixEnd([]byte("k/")), StartRevision: compactRev - 2, PrevKv: true})
+	live.create(&pb.WatchCreateRequest{Key: []byte("k/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("k/")), StartRevision: compactRev - 2, PrevKv: true})
 	live.waitCreated(1)
 	live.syncTo(c.etcdRev(t)) // caught up, before the compaction
 
@@ -178,9 +180,9 @@ func TestWatchDifferentialCompaction(t *testing.T) {
 	w.put("k/a", "3")
 	c.waitSynced(t)
 
-	pr := wxOpenPair(t, c)
+	pr := openStreamPair(t, c)
 	prefix := func(start int64) *pb.WatchCreateRequest {
-		return &pb.WatchCreateRequest{Key: []byte("k/"), RangeEnd: prefixEnd([]byte("k/")), StartRevision: start}
+		return &pb.WatchCreateRequest{Key: []byte("k/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("k/")), StartRevision: start}
 	}
 	creates := []*pb.WatchCreateRequest{
 		prefix(compactRev), // 0: from the compaction revision: the DELETE
@@ -188,18 +190,18 @@ func TestWatchDifferentialCompaction(t *testing.T) {
 		prefix(compactRev - 1),                            // 2: compacted
 		prefix(compactRev + 1),                            // 3: just after
 		prefix(1),                                         // 4: long compacted
-		{Key: []byte{0}, RangeEnd: wxFromKey, StartRevision: compactRev, Filters: wxNoPut},                               // 5: deletes only
-		{Key: []byte{0}, RangeEnd: wxFromKey, StartRevision: compactRev, Filters: wxNoDelete},                            // 6: puts only
-		{Key: []byte("k/"), RangeEnd: prefixEnd([]byte("k/")), StartRevision: compactRev - 1, WatchId: 50, PrevKv: true}, // 7: compacted, client id
-		{Key: []byte("k/"), RangeEnd: prefixEnd([]byte("k/")), StartRevision: compactRev + 1, PrevKv: true},              // 8 (id 7): prev_kv
-		{Key: []byte("k/"), RangeEnd: prefixEnd([]byte("k/")), StartRevision: compactRev, PrevKv: true},                  // 9 (id 8): prev_kv
+		{Key: []byte{0}, RangeEnd: fromKeyEnd, StartRevision: compactRev, Filters: filterNoPut},                                           // 5: deletes only
+		{Key: []byte{0}, RangeEnd: fromKeyEnd, StartRevision: compactRev, Filters: filterNoDelete},                                        // 6: puts only
+		{Key: []byte("k/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("k/")), StartRevision: compactRev - 1, WatchId: 50, PrevKv: true}, // 7: compacted, client id
+		{Key: []byte("k/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("k/")), StartRevision: compactRev + 1, PrevKv: true},              // 8 (id 7): prev_kv
+		{Key: []byte("k/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("k/")), StartRevision: compactRev, PrevKv: true},                  // 9 (id 8): prev_kv
 	}
 	for _, cr := range creates {
 		pr.create(cr)
 	}
 	pr.waitCreated(len(creates))
-	for _, s := range []*wxStream{pr.d, pr.p} {
-		s.waitUntil("the compaction cancels", wxCountCanceled(3))
+	for _, s := range []*watchStream{pr.d, pr.p} {
+		s.waitUntil("the compaction cancels", cancelsAtLeast(3))
 	}
 	// etcd keeps a compacted watcher on its stream until the client cancels
 	// it (clientv3 does at once), and answers no RequestProgress meanwhile
@@ -215,18 +217,18 @@ func TestWatchDifferentialCompaction(t *testing.T) {
 	live.syncTo(head)
 
 	d, p := pr.d.responses(), pr.p.responses()
-	wxCompare(t, "around the compaction", d, p, wxCompareOpts{quiescent: true, compactRev: compactRev})
-	wxCompare(t, "live across the compaction", live.d.responses(), live.p.responses(), wxCompareOpts{quiescent: true, compactRev: compactRev})
+	compareStreams(t, "around the compaction", d, p, compareOpts{quiescent: true, compactRev: compactRev})
+	compareStreams(t, "live across the compaction", live.d.responses(), live.p.responses(), compareOpts{quiescent: true, compactRev: compactRev})
 
 	// The proxy gives the DELETE at the compaction revision its prev_kv,
 	// which etcd cannot read back (kube-apiserver requires prev_kv).
-	_, pw, _ := wxSplit(p)
+	_, pw, _ := splitResponses(p)
 	if evs := pw[8].events; len(evs) == 0 || evs[0].PrevKv == nil || string(evs[0].PrevKv.Value) != "doomed" {
-		t.Errorf("the proxy's DELETE at the compaction revision lacks its prev_kv: %s", wxDump(pw[8].resps))
+		t.Errorf("the proxy's DELETE at the compaction revision lacks its prev_kv: %s", dumpResponses(pw[8].resps))
 	}
 
 	// etcd's answers are the ones the design expects.
-	_, dw, _ := wxSplit(d)
+	_, dw, _ := splitResponses(d)
 	for _, id := range []int64{2, 3, 50} { // ids: 0 1 2 3 4 5 6, then 50
 		if id == 3 {
 			continue
@@ -237,7 +239,7 @@ func TestWatchDifferentialCompaction(t *testing.T) {
 	}
 	for _, id := range []int64{0, 1, 5} {
 		if evs := dw[id].events; len(evs) == 0 || evs[0].Kv.ModRevision != compactRev || evs[0].Type != mvccpb.DELETE {
-			t.Errorf("watch %d from the compaction revision: etcd's first event is not the DELETE at %d: %s", id, compactRev, wxDump(dw[id].resps))
+			t.Errorf("watch %d from the compaction revision: etcd's first event is not the DELETE at %d: %s", id, compactRev, dumpResponses(dw[id].resps))
 		}
 	}
 }
@@ -248,7 +250,7 @@ func TestWatchDifferentialCompaction(t *testing.T) {
 // response, and the id cannot be reused before (duplicate watch id).
 func TestWatchDifferentialCompactedWatchID(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	for i := range 4 {
 		w.put("id/k", fmt.Sprint(i))
 	}
@@ -258,23 +260,23 @@ func TestWatchDifferentialCompactedWatchID(t *testing.T) {
 	}
 	c.waitSynced(t)
 
-	pr := wxOpenPair(t, c)
+	pr := openStreamPair(t, c)
 	pr.create(&pb.WatchCreateRequest{Key: []byte("id/k"), WatchId: 7, StartRevision: compactRev - 1})
 	pr.create(&pb.WatchCreateRequest{Key: []byte("id/other"), WatchId: 8})
 	pr.waitCreated(2)
-	for _, s := range []*wxStream{pr.d, pr.p} {
-		s.waitUntil("the compaction cancel", wxCountCanceled(1))
+	for _, s := range []*watchStream{pr.d, pr.p} {
+		s.waitUntil("the compaction cancel", cancelsAtLeast(1))
 	}
 	pr.create(&pb.WatchCreateRequest{Key: []byte("id/k"), WatchId: 7}) // reuse before the client's cancel
 	pr.cancelWatch(7)                                                  // the client acknowledges, as clientv3 does
 	pr.cancelWatch(8)                                                  // a marker: answered by both
 	pr.create(&pb.WatchCreateRequest{Key: []byte("id/k"), WatchId: 7}) // reuse after
 	pr.waitCreated(4)
-	pr.d.waitUntil("the marker's cancel", wxCanceledID(8))
-	pr.p.waitUntil("the marker's cancel", wxCanceledID(8))
+	pr.d.waitUntil("the marker's cancel", canceledWatch(8))
+	pr.p.waitUntil("the marker's cancel", canceledWatch(8))
 	d, p := pr.d.responses(), pr.p.responses()
-	wxCheckStream(t, "etcd", d, false)
-	wxCheckStream(t, "proxy", p, true)
+	checkStream(t, "etcd", d, false)
+	checkStream(t, "proxy", p, true)
 	// The compaction cancel's place among the answers to later requests is
 	// a matter of timing: it is compared apart.
 	for name, log := range map[string][]*pb.WatchResponse{"etcd": d, "proxy": p} {
@@ -305,7 +307,7 @@ func TestWatchDifferentialCompactedWatchID(t *testing.T) {
 	}
 }
 
-func wxCanceledID(id int64) func([]*pb.WatchResponse) bool {
+func canceledWatch(id int64) func([]*pb.WatchResponse) bool {
 	return func(log []*pb.WatchResponse) bool {
 		for _, r := range log {
 			if r.Canceled && !r.Created && r.WatchId == id {
@@ -321,13 +323,10 @@ func wxCanceledID(id int64) func([]*pb.WatchResponse) bool {
 // watch's events, the created and the cancel responses equal etcd's.
 func TestWatchDifferentialManyWatchers(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
-	w := wxWriter{t, c.direct}
-	first := w.put("m/0", "0")
-	for i := 1; i < 10; i++ {
-		w.put(fmt.Sprintf("m/%d", i), "0")
-	}
+	w := etcdWriter{t, c.direct}
+	first := w.putEach("m/", 10, "0")
 	c.waitSynced(t)
-	pr := wxOpenPair(t, c)
+	pr := openStreamPair(t, c)
 	const n = 50
 	created, canceled := 0, 0
 	gone := map[int64]bool{}
@@ -340,13 +339,13 @@ func TestWatchDifferentialManyWatchers(t *testing.T) {
 			case 0:
 				cr.Key = []byte(fmt.Sprintf("m/%d", i%10))
 			case 1:
-				cr.Key, cr.RangeEnd = []byte("m/"), prefixEnd([]byte("m/"))
+				cr.Key, cr.RangeEnd = []byte("m/"), []byte(clientv3.GetPrefixRangeEnd("m/"))
 			case 2:
 				cr.Key, cr.RangeEnd = []byte("m/2"), []byte("m/6")
 			case 3:
-				cr.Key, cr.RangeEnd, cr.Filters = []byte("m/5"), wxFromKey, wxNoPut
+				cr.Key, cr.RangeEnd, cr.Filters = []byte("m/5"), fromKeyEnd, filterNoPut
 			case 4:
-				cr.Key, cr.RangeEnd, cr.PrevKv = []byte{0}, wxFromKey, true
+				cr.Key, cr.RangeEnd, cr.PrevKv = []byte{0}, fromKeyEnd, true
 			}
 			switch i % 3 {
 			case 1:
@@ -372,15 +371,15 @@ func TestWatchDifferentialManyWatchers(t *testing.T) {
 				canceled++
 			}
 		}
-		pr.d.waitUntil("the cancels", wxCountCanceled(canceled))
-		pr.p.waitUntil("the cancels", wxCountCanceled(canceled))
+		pr.d.waitUntil("the cancels", cancelsAtLeast(canceled))
+		pr.p.waitUntil("the cancels", cancelsAtLeast(canceled))
 	}
 	head = w.put("m/9", "end")
 	c.waitSynced(t)
 	pr.syncTo(head)
 	d, p := pr.d.responses(), pr.p.responses()
-	wxCompare(t, "50 watches", d, p, wxCompareOpts{quiescent: true})
-	_, dw, _ := wxSplit(d)
+	compareStreams(t, "50 watches", d, p, compareOpts{quiescent: true})
+	_, dw, _ := splitResponses(d)
 	if len(dw) != n {
 		t.Fatalf("etcd has %d watches, want %d", len(dw), n)
 	}
@@ -392,13 +391,13 @@ func TestWatchDifferentialManyWatchers(t *testing.T) {
 // while a watcher starts beyond its head).
 func TestWatchDifferentialFutureRevision(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	head := w.put("fut/a", "0")
 	c.waitSynced(t)
-	pr := wxOpenPair(t, c)
+	pr := openStreamPair(t, c)
 	pr.create(&pb.WatchCreateRequest{Key: []byte("fut/a"), StartRevision: head + 1})
-	pr.create(&pb.WatchCreateRequest{Key: []byte("fut/"), RangeEnd: prefixEnd([]byte("fut/")), StartRevision: head + 5, PrevKv: true})
-	pr.create(&pb.WatchCreateRequest{Key: []byte{0}, RangeEnd: wxFromKey, StartRevision: head + 30})
+	pr.create(&pb.WatchCreateRequest{Key: []byte("fut/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("fut/")), StartRevision: head + 5, PrevKv: true})
+	pr.create(&pb.WatchCreateRequest{Key: []byte{0}, RangeEnd: fromKeyEnd, StartRevision: head + 30})
 	pr.waitCreated(3)
 	mark := pr.p.len()
 	pr.p.requestProgress()
@@ -414,19 +413,19 @@ func TestWatchDifferentialFutureRevision(t *testing.T) {
 	c.waitSynced(t)
 	pr.syncTo(last)
 	d, p := pr.d.responses(), pr.p.responses()
-	wxCompare(t, "future revisions", d, p, wxCompareOpts{quiescent: true})
+	compareStreams(t, "future revisions", d, p, compareOpts{quiescent: true})
 	for _, r := range p[mark:] {
-		if wxIsProgress(r) {
+		if isProgress(r) {
 			if r.Header.Revision < head+30 {
-				t.Fatalf("progress at %d while a watcher starts at %d:\n%s", r.Header.Revision, head+30, wxDump(p))
+				t.Fatalf("progress at %d while a watcher starts at %d:\n%s", r.Header.Revision, head+30, dumpResponses(p))
 			}
 			break
 		}
 	}
-	_, dw, _ := wxSplit(d)
+	_, dw, _ := splitResponses(d)
 	for id, start := range map[int64]int64{0: head + 1, 1: head + 5, 2: head + 30} {
 		if evs := dw[id].events; len(evs) == 0 || evs[0].Kv.ModRevision != start {
-			t.Fatalf("watch %d from %d: etcd's events %s", id, start, wxDump(dw[id].resps))
+			t.Fatalf("watch %d from %d: etcd's events %s", id, start, dumpResponses(dw[id].resps))
 		}
 	}
 }
@@ -441,7 +440,7 @@ func TestWatchDifferentialFutureRevision(t *testing.T) {
 func TestWatchDifferentialFragment(t *testing.T) {
 	const maxRequestBytes = 64 * 1024
 	c := newCluster(t, clusterOptions{maxRequestBytes: maxRequestBytes})
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	big := func(i int) string { return strings.Repeat(string(rune('a'+i%26)), 20*1024) }
 	var first int64
 	for i := 0; i < 32; i += 2 {
@@ -451,9 +450,9 @@ func TestWatchDifferentialFragment(t *testing.T) {
 		}
 	}
 	c.waitSynced(t)
-	pr := wxOpenPair(t, c)
+	pr := openStreamPair(t, c)
 	f := func(start int64, prevKV, fragment bool) *pb.WatchCreateRequest {
-		return &pb.WatchCreateRequest{Key: []byte("f/"), RangeEnd: prefixEnd([]byte("f/")), StartRevision: start, PrevKv: prevKV, Fragment: fragment}
+		return &pb.WatchCreateRequest{Key: []byte("f/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("f/")), StartRevision: start, PrevKv: prevKV, Fragment: fragment}
 	}
 	pr.create(f(first, true, true))  // 0: catch-up of 640 KiB, fragmented
 	pr.create(f(first, true, false)) // 1: the same, whole
@@ -470,14 +469,14 @@ func TestWatchDifferentialFragment(t *testing.T) {
 	c.waitSynced(t)
 	pr.syncTo(head)
 	d, p := pr.d.responses(), pr.p.responses()
-	wxCompare(t, "fragments: events", d, p, wxCompareOpts{quiescent: true})
+	compareStreams(t, "fragments: events", d, p, compareOpts{quiescent: true})
 
 	// Fragments rebuild etcd's responses.
-	_, dw, _ := wxSplit(d)
-	if got := wxBoundaries(dw[0]); !strings.Contains(got, "f") {
+	_, dw, _ := splitResponses(d)
+	if got := responseSplit(dw[0]); !strings.Contains(got, "f") {
 		t.Fatalf("etcd did not fragment the 640 KiB catch-up (%s): the test does not exercise fragments", got)
 	}
-	wxCompare(t, "fragments: boundaries", d, p, wxCompareOpts{quiescent: true, boundaries: []int64{0, 1, 2, 3, 4, 5}})
+	compareStreams(t, "fragments: boundaries", d, p, compareOpts{quiescent: true, boundaries: []int64{0, 1, 2, 3, 4, 5}})
 }
 
 // TestWatchDifferentialHalfClose: requests etcd does not know are ignored,
@@ -485,19 +484,19 @@ func TestWatchDifferentialFragment(t *testing.T) {
 // gets its watches' events, as from etcd, until it goes away.
 func TestWatchDifferentialHalfClose(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	w.put("hc/a", "0")
 	c.waitSynced(t)
-	pr := wxOpenPair(t, c)
-	for _, s := range []*wxStream{pr.d, pr.p} {
+	pr := openStreamPair(t, c)
+	for _, s := range []*watchStream{pr.d, pr.p} {
 		s.send(&pb.WatchRequest{}) // no request at all
 		s.send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CreateRequest{}})
 		s.send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CancelRequest{}})
 		s.send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_ProgressRequest{}})
 	}
-	pr.create(&pb.WatchCreateRequest{Key: []byte("hc/"), RangeEnd: prefixEnd([]byte("hc/")), PrevKv: true})
+	pr.create(&pb.WatchCreateRequest{Key: []byte("hc/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("hc/")), PrevKv: true})
 	pr.waitCreated(1)
-	for _, s := range []*wxStream{pr.d, pr.p} {
+	for _, s := range []*watchStream{pr.d, pr.p} {
 		s.sendMu.Lock()
 		err := s.cs.CloseSend()
 		s.sendMu.Unlock()
@@ -521,15 +520,7 @@ func TestWatchDifferentialHalfClose(t *testing.T) {
 	}
 	pr.d.waitUntil("the last event", has)
 	pr.p.waitUntil("the last event", has)
-	wxCompare(t, "half-closed", pr.d.responses(), pr.p.responses(), wxCompareOpts{quiescent: true})
-}
-
-// wxCut cuts the proxy's connection to etcd and waits until the follower
-// knows.
-func wxCut(t *testing.T, c *cluster) {
-	t.Helper()
-	c.relay.Cut()
-	waitFor(t, "the upstream watch to break", func() bool { return !c.proxy.Follower().Following() })
+	compareStreams(t, "half-closed", pr.d.responses(), pr.p.responses(), compareOpts{quiescent: true})
 }
 
 // TestWatchDifferentialUpstreamCut: the proxy's link to etcd breaks while
@@ -543,15 +534,15 @@ func wxCut(t *testing.T, c *cluster) {
 //     exactly etcd's events up to where they stood: nothing is skipped.
 func TestWatchDifferentialUpstreamCut(t *testing.T) {
 	c := newCluster(t, clusterOptions{relay: true})
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	for i := range 10 {
 		w.put(fmt.Sprintf("cut/%d", i%4), fmt.Sprint(i))
 	}
 	c.waitSynced(t)
-	pr := wxOpenPair(t, c)
-	pr.create(&pb.WatchCreateRequest{Key: []byte("cut/"), RangeEnd: prefixEnd([]byte("cut/")), PrevKv: true})
+	pr := openStreamPair(t, c)
+	pr.create(&pb.WatchCreateRequest{Key: []byte("cut/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("cut/")), PrevKv: true})
 	pr.create(&pb.WatchCreateRequest{Key: []byte("cut/1")})
-	pr.create(&pb.WatchCreateRequest{Key: []byte("cut/2"), RangeEnd: wxFromKey, Filters: wxNoDelete})
+	pr.create(&pb.WatchCreateRequest{Key: []byte("cut/2"), RangeEnd: fromKeyEnd, Filters: filterNoDelete})
 	pr.waitCreated(3)
 	write := func(i int) int64 {
 		k := fmt.Sprintf("cut/%d", i%4)
@@ -562,7 +553,7 @@ func TestWatchDifferentialUpstreamCut(t *testing.T) {
 	}
 
 	// A break the follower resumes from.
-	wxCut(t, c)
+	c.cut(t)
 	var floor int64
 	for i := range 12 {
 		floor = write(i)
@@ -576,15 +567,15 @@ func TestWatchDifferentialUpstreamCut(t *testing.T) {
 	pr.syncTo(head)
 	p := pr.p.responses()
 	for _, r := range p[mark:] {
-		if wxIsProgress(r) && r.Header.Revision < floor {
-			t.Fatalf("progress requested during the break, after etcd's write at %d, answered at %d:\n%s", floor, r.Header.Revision, wxDump(p))
+		if isProgress(r) && r.Header.Revision < floor {
+			t.Fatalf("progress requested during the break, after etcd's write at %d, answered at %d:\n%s", floor, r.Header.Revision, dumpResponses(p))
 		}
 	}
-	wxCompare(t, "after a break", pr.d.responses(), p, wxCompareOpts{quiescent: true})
+	compareStreams(t, "after a break", pr.d.responses(), p, compareOpts{quiescent: true})
 
 	// A break etcd compacts past.
 	stood := c.proxy.Store().Rev()
-	wxCut(t, c)
+	c.cut(t)
 	var compactRev int64
 	for i := range 12 {
 		rev := write(i)
@@ -610,16 +601,16 @@ func TestWatchDifferentialUpstreamCut(t *testing.T) {
 		return n == 3
 	})
 	d := pr.d.syncTo(head)
-	wxCheckStream(t, "etcd", d, false)
-	wxCheckStream(t, "proxy", p, true)
-	_, dw, _ := wxSplit(d)
-	_, pw, _ := wxSplit(p)
+	checkStream(t, "etcd", d, false)
+	checkStream(t, "proxy", p, true)
+	_, dw, _ := splitResponses(d)
+	_, pw, _ := splitResponses(p)
 	for id := range int64(3) {
 		if cr := pw[id].canceled; cr == nil || cr.CompactRevision != compactRev {
 			t.Fatalf("watch %d: the proxy's cancel %s, want compact_revision %d", id, fmtMsg(cr), compactRev)
 		}
-		if diff := wxSameEvents(wxEventsUpTo(dw[id].events, stood), pw[id].events); diff != "" {
-			t.Fatalf("watch %d stood at %d when etcd compacted at %d: %s\netcd:\n%s\nproxy:\n%s", id, stood, compactRev, diff, wxDump(d), wxDump(p))
+		if diff := proxytest.DiffEvents(eventsUpTo(dw[id].events, stood), pw[id].events); diff != "" {
+			t.Fatalf("watch %d stood at %d when etcd compacted at %d: %s\netcd:\n%s\nproxy:\n%s", id, stood, compactRev, diff, dumpResponses(d), dumpResponses(p))
 		}
 	}
 }

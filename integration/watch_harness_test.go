@@ -4,9 +4,6 @@ package integration
 // etcd and on the proxy, recording every response; per-stream invariant
 // checks; and the comparison of what etcd determines (created responses,
 // each watch's events, cancels) between the two.
-//
-// Every identifier here starts with "wx" so as not to collide with helpers
-// of the other suites of the package.
 
 import (
 	"context"
@@ -23,14 +20,13 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 )
 
-// wxWait bounds every wait of the watch suites.
-const wxWait = 30 * time.Second
-
-// wxStream is one raw Watch stream whose responses are all recorded, in
+// watchStream is one raw Watch stream whose responses are all recorded, in
 // order, by a receive goroutine.
-type wxStream struct {
+type watchStream struct {
 	tb     testing.TB
 	name   string
 	cs     pb.Watch_WatchClient
@@ -46,7 +42,7 @@ type wxStream struct {
 	closed atomic.Bool
 }
 
-func wxOpen(tb testing.TB, conn *grpc.ClientConn, name string) *wxStream {
+func openWatchStream(tb testing.TB, conn *grpc.ClientConn, name string) *watchStream {
 	tb.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	cs, err := pb.NewWatchClient(conn).Watch(ctx)
@@ -54,13 +50,13 @@ func wxOpen(tb testing.TB, conn *grpc.ClientConn, name string) *wxStream {
 		cancel()
 		tb.Fatalf("%s: opening a watch stream: %v", name, err)
 	}
-	s := &wxStream{tb: tb, name: name, cs: cs, cancel: cancel, done: make(chan struct{}), notify: make(chan struct{})}
+	s := &watchStream{tb: tb, name: name, cs: cs, cancel: cancel, done: make(chan struct{}), notify: make(chan struct{})}
 	go s.recvLoop()
 	tb.Cleanup(s.close)
 	return s
 }
 
-func (s *wxStream) recvLoop() {
+func (s *watchStream) recvLoop() {
 	defer close(s.done)
 	for {
 		resp, err := s.cs.Recv()
@@ -80,7 +76,7 @@ func (s *wxStream) recvLoop() {
 }
 
 // close ends the stream and waits for its receive goroutine.
-func (s *wxStream) close() {
+func (s *watchStream) close() {
 	if s.closed.Swap(true) {
 		return
 	}
@@ -88,7 +84,7 @@ func (s *wxStream) close() {
 	<-s.done
 }
 
-func (s *wxStream) send(req *pb.WatchRequest) {
+func (s *watchStream) send(req *pb.WatchRequest) {
 	s.tb.Helper()
 	s.sendMu.Lock()
 	defer s.sendMu.Unlock()
@@ -96,38 +92,38 @@ func (s *wxStream) send(req *pb.WatchRequest) {
 		// The stream's status is Recv's to report.
 		select {
 		case <-s.done:
-		case <-time.After(wxWait):
+		case <-time.After(waitTimeout):
 		}
 		s.mu.Lock()
 		recvErr, log := s.err, s.log
 		s.mu.Unlock()
-		s.tb.Fatalf("%s: send %s: %v; the stream ended with %v; received:\n%s", s.name, fmtMsg(req), err, recvErr, wxDump(log))
+		s.tb.Fatalf("%s: send %s: %v; the stream ended with %v; received:\n%s", s.name, fmtMsg(req), err, recvErr, dumpResponses(log))
 	}
 }
 
-func (s *wxStream) create(cr *pb.WatchCreateRequest) {
+func (s *watchStream) create(cr *pb.WatchCreateRequest) {
 	s.tb.Helper()
 	s.send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CreateRequest{CreateRequest: cr}})
 }
 
-func (s *wxStream) cancelWatch(id int64) {
+func (s *watchStream) cancelWatch(id int64) {
 	s.tb.Helper()
 	s.send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CancelRequest{CancelRequest: &pb.WatchCancelRequest{WatchId: id}}})
 }
 
-func (s *wxStream) requestProgress() {
+func (s *watchStream) requestProgress() {
 	s.tb.Helper()
 	s.send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_ProgressRequest{ProgressRequest: &pb.WatchProgressRequest{}}})
 }
 
 // responses returns a copy of the responses received so far.
-func (s *wxStream) responses() []*pb.WatchResponse {
+func (s *watchStream) responses() []*pb.WatchResponse {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return append([]*pb.WatchResponse(nil), s.log...)
 }
 
-func (s *wxStream) len() int {
+func (s *watchStream) len() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return len(s.log)
@@ -135,10 +131,10 @@ func (s *wxStream) len() int {
 
 // waitUntil waits until cond holds on the responses received so far and
 // returns them. The receive goroutine signals every response, so this is a
-// condition wait, bounded by wxWait.
-func (s *wxStream) waitUntil(what string, cond func(log []*pb.WatchResponse) bool) []*pb.WatchResponse {
+// condition wait, bounded by waitTimeout.
+func (s *watchStream) waitUntil(what string, cond func(log []*pb.WatchResponse) bool) []*pb.WatchResponse {
 	s.tb.Helper()
-	deadline := time.NewTimer(wxWait)
+	deadline := time.NewTimer(waitTimeout)
 	defer deadline.Stop()
 	for {
 		s.mu.Lock()
@@ -149,18 +145,18 @@ func (s *wxStream) waitUntil(what string, cond func(log []*pb.WatchResponse) boo
 			return append([]*pb.WatchResponse(nil), log...)
 		}
 		if err != nil {
-			s.tb.Fatalf("%s: stream ended (%v) while waiting for %s; received:\n%s", s.name, err, what, wxDump(log))
+			s.tb.Fatalf("%s: stream ended (%v) while waiting for %s; received:\n%s", s.name, err, what, dumpResponses(log))
 		}
 		select {
 		case <-ch:
 		case <-deadline.C:
-			s.tb.Fatalf("%s: timed out waiting for %s; received:\n%s", s.name, what, wxDump(log))
+			s.tb.Fatalf("%s: timed out waiting for %s; received:\n%s", s.name, what, dumpResponses(log))
 		}
 	}
 }
 
 // waitCreated waits until n created responses were received in all.
-func (s *wxStream) waitCreated(n int) []*pb.WatchResponse {
+func (s *watchStream) waitCreated(n int) []*pb.WatchResponse {
 	s.tb.Helper()
 	return s.waitUntil(fmt.Sprintf("%d created responses", n), func(log []*pb.WatchResponse) bool {
 		k := 0
@@ -179,10 +175,10 @@ func (s *wxStream) waitCreated(n int) []*pb.WatchResponse {
 // until answered, because etcd drops one that arrives while a watcher of
 // the stream is unsynced. The stream must have a watcher, all of whose
 // start revisions are at most rev.
-func (s *wxStream) syncTo(rev int64) []*pb.WatchResponse {
+func (s *watchStream) syncTo(rev int64) []*pb.WatchResponse {
 	s.tb.Helper()
 	mark := s.len()
-	deadline := time.NewTimer(wxWait)
+	deadline := time.NewTimer(waitTimeout)
 	defer deadline.Stop()
 	resend := time.NewTicker(50 * time.Millisecond) // the pace of re-sent requests, not a synchronisation
 	defer resend.Stop()
@@ -192,63 +188,63 @@ func (s *wxStream) syncTo(rev int64) []*pb.WatchResponse {
 		log, err, ch := s.log, s.err, s.notify
 		s.mu.Unlock()
 		for _, r := range log[mark:] {
-			if wxIsProgress(r) && r.WatchId == clientv3.InvalidWatchID && r.Header.GetRevision() >= rev {
+			if isProgress(r) && r.WatchId == clientv3.InvalidWatchID && r.Header.GetRevision() >= rev {
 				return append([]*pb.WatchResponse(nil), log...)
 			}
 		}
 		if err != nil {
-			s.tb.Fatalf("%s: stream ended (%v) while waiting for progress at %d; received:\n%s", s.name, err, rev, wxDump(log))
+			s.tb.Fatalf("%s: stream ended (%v) while waiting for progress at %d; received:\n%s", s.name, err, rev, dumpResponses(log))
 		}
 		select {
 		case <-ch:
 		case <-resend.C:
 			s.requestProgress()
 		case <-deadline.C:
-			s.tb.Fatalf("%s: no progress notification at revision >= %d; received:\n%s", s.name, rev, wxDump(log))
+			s.tb.Fatalf("%s: no progress notification at revision >= %d; received:\n%s", s.name, rev, dumpResponses(log))
 		}
 	}
 }
 
-// wxPair is the same sequence of requests on a stream to etcd (d) and one to
+// streamPair is the same sequence of requests on a stream to etcd (d) and one to
 // the proxy (p).
-type wxPair struct{ d, p *wxStream }
+type streamPair struct{ d, p *watchStream }
 
-func wxOpenPair(tb testing.TB, c *cluster) *wxPair {
+func openStreamPair(tb testing.TB, c *cluster) *streamPair {
 	tb.Helper()
-	return &wxPair{
-		d: wxOpen(tb, c.direct.ActiveConnection(), "etcd"),
-		p: wxOpen(tb, c.viaProxy.ActiveConnection(), "proxy"),
+	return &streamPair{
+		d: openWatchStream(tb, c.direct.ActiveConnection(), "etcd"),
+		p: openWatchStream(tb, c.viaProxy.ActiveConnection(), "proxy"),
 	}
 }
 
-func (pr *wxPair) create(cr *pb.WatchCreateRequest) {
+func (pr *streamPair) create(cr *pb.WatchCreateRequest) {
 	pr.d.create(proto.Clone(cr).(*pb.WatchCreateRequest))
 	pr.p.create(proto.Clone(cr).(*pb.WatchCreateRequest))
 }
 
-func (pr *wxPair) cancelWatch(id int64) {
+func (pr *streamPair) cancelWatch(id int64) {
 	pr.d.cancelWatch(id)
 	pr.p.cancelWatch(id)
 }
 
-func (pr *wxPair) waitCreated(n int) {
+func (pr *streamPair) waitCreated(n int) {
 	pr.d.waitCreated(n)
 	pr.p.waitCreated(n)
 }
 
-func (pr *wxPair) syncTo(rev int64) {
+func (pr *streamPair) syncTo(rev int64) {
 	pr.d.syncTo(rev)
 	pr.p.syncTo(rev)
 }
 
-// wxIsProgress reports whether r is a progress notification: no events, not
+// isProgress reports whether r is a progress notification: no events, not
 // created, not canceled, no compaction.
-func wxIsProgress(r *pb.WatchResponse) bool {
+func isProgress(r *pb.WatchResponse) bool {
 	return len(r.Events) == 0 && !r.Created && !r.Canceled && r.CompactRevision == 0 && !r.Fragment
 }
 
-// wxWatch is what one watch id received on a stream.
-type wxWatch struct {
+// watchRecord is what one watch id received on a stream.
+type watchRecord struct {
 	id       int64
 	created  *pb.WatchResponse
 	resps    []*pb.WatchResponse // responses with events, in order
@@ -257,15 +253,15 @@ type wxWatch struct {
 	progress []*pb.WatchResponse // periodic progress notifications
 }
 
-// wxSplit sorts a stream's responses: the created responses in order (one
+// splitResponses sorts a stream's responses: the created responses in order (one
 // per create request, refused ones included), the watches by id, and the
 // requested progress notifications (watch id -1).
-func wxSplit(log []*pb.WatchResponse) (creates []*pb.WatchResponse, watches map[int64]*wxWatch, progress []*pb.WatchResponse) {
-	watches = map[int64]*wxWatch{}
-	get := func(id int64) *wxWatch {
+func splitResponses(log []*pb.WatchResponse) (creates []*pb.WatchResponse, watches map[int64]*watchRecord, progress []*pb.WatchResponse) {
+	watches = map[int64]*watchRecord{}
+	get := func(id int64) *watchRecord {
 		w := watches[id]
 		if w == nil {
-			w = &wxWatch{id: id}
+			w = &watchRecord{id: id}
 			watches[id] = w
 		}
 		return w
@@ -294,7 +290,7 @@ func wxSplit(log []*pb.WatchResponse) (creates []*pb.WatchResponse, watches map[
 	return creates, watches, progress
 }
 
-// wxCheckStream verifies the ordering guarantees of one stream's responses:
+// checkStream verifies the ordering guarantees of one stream's responses:
 //   - events only for a created watch, in revision order, each revision
 //     whole in one response unless fragment splits it; a fragment response
 //     is followed on the stream by the rest of the same watch's response;
@@ -306,11 +302,11 @@ func wxSplit(log []*pb.WatchResponse) (creates []*pb.WatchResponse, watches map[
 //
 // strict adds the proxy's own promise: nothing for a watch after its
 // cancel response (etcd may still flush events queued before the cancel).
-func wxCheckStream(tb testing.TB, name string, log []*pb.WatchResponse, strict bool) {
+func checkStream(tb testing.TB, name string, log []*pb.WatchResponse, strict bool) {
 	tb.Helper()
 	fail := func(i int, format string, args ...any) {
 		tb.Helper()
-		tb.Fatalf("%s: response %d: %s\nstream:\n%s", name, i, fmt.Sprintf(format, args...), wxDump(log))
+		tb.Fatalf("%s: response %d: %s\nstream:\n%s", name, i, fmt.Sprintf(format, args...), dumpResponses(log))
 	}
 	type state struct {
 		live         bool
@@ -409,8 +405,8 @@ func wxCheckStream(tb testing.TB, name string, log []*pb.WatchResponse, strict b
 	}
 }
 
-// wxCompareOpts say what of a pair of streams etcd determines.
-type wxCompareOpts struct {
+// compareOpts say what of a pair of streams etcd determines.
+type compareOpts struct {
 	// quiescent: the store did not move while requests were handled, so
 	// the headers of created and cancel responses are compared whole.
 	quiescent bool
@@ -424,54 +420,54 @@ type wxCompareOpts struct {
 	compactRev int64
 }
 
-// wxSameEvent compares two events, allowing the proxy (b) the prev_kv etcd
+// sameEvent compares two events, allowing the proxy (b) the prev_kv etcd
 // (a) cannot read below its compaction revision.
-func wxSameEvent(a, b *mvccpb.Event, compactRev int64) bool {
+func sameEvent(a, b *mvccpb.Event, compactRev int64) bool {
 	if a.PrevKv == nil && b.PrevKv != nil && a.Kv.GetModRevision()-1 < compactRev {
 		b = &mvccpb.Event{Type: b.Type, Kv: b.Kv}
 	}
 	return proto.Equal(a, b)
 }
 
-// wxCompare checks both streams' invariants, then compares etcd's (d) and
+// compareStreams checks both streams' invariants, then compares etcd's (d) and
 // the proxy's (p) responses: the created responses in order, and per watch
 // id the exact events and the cancel.
-func wxCompare(tb testing.TB, what string, d, p []*pb.WatchResponse, o wxCompareOpts) {
+func compareStreams(tb testing.TB, what string, d, p []*pb.WatchResponse, o compareOpts) {
 	tb.Helper()
-	wxCheckStream(tb, what+": etcd", d, false)
-	wxCheckStream(tb, what+": proxy", p, true)
+	checkStream(tb, what+": etcd", d, false)
+	checkStream(tb, what+": proxy", p, true)
 	fail := func(format string, args ...any) {
 		tb.Helper()
-		tb.Fatalf("%s: %s\netcd's stream:\n%s\nproxy's stream:\n%s", what, fmt.Sprintf(format, args...), wxDump(d), wxDump(p))
+		tb.Fatalf("%s: %s\netcd's stream:\n%s\nproxy's stream:\n%s", what, fmt.Sprintf(format, args...), dumpResponses(d), dumpResponses(p))
 	}
-	dc, dw, _ := wxSplit(d)
-	pc, pw, _ := wxSplit(p)
+	dc, dw, _ := splitResponses(d)
+	pc, pw, _ := splitResponses(p)
 	if len(dc) != len(pc) {
 		fail("etcd sent %d created responses, the proxy %d", len(dc), len(pc))
 	}
 	for i := range dc {
 		a, b := dc[i], pc[i]
-		if !wxSameControl(a, b, o.quiescent) {
+		if !sameControl(a, b, o.quiescent) {
 			fail("created response %d differs:\netcd:  %s\nproxy: %s", i, fmtMsg(a), fmtMsg(b))
 		}
 	}
 	for id, a := range dw {
 		b := pw[id]
 		if b == nil {
-			b = &wxWatch{id: id}
+			b = &watchRecord{id: id}
 		}
 		if len(a.events) != len(b.events) {
 			fail("watch %d: etcd sent %d events, the proxy %d", id, len(a.events), len(b.events))
 		}
 		for i := range a.events {
-			if !wxSameEvent(a.events[i], b.events[i], o.compactRev) {
+			if !sameEvent(a.events[i], b.events[i], o.compactRev) {
 				fail("watch %d: event %d differs:\netcd:  %s\nproxy: %s", id, i, fmtMsg(a.events[i]), fmtMsg(b.events[i]))
 			}
 		}
 		switch {
 		case (a.canceled == nil) != (b.canceled == nil):
 			fail("watch %d: canceled by etcd: %v, by the proxy: %v", id, a.canceled != nil, b.canceled != nil)
-		case a.canceled != nil && !wxSameControl(a.canceled, b.canceled, o.quiescent || a.canceled.CompactRevision != 0):
+		case a.canceled != nil && !sameControl(a.canceled, b.canceled, o.quiescent || a.canceled.CompactRevision != 0):
 			fail("watch %d: cancel differs:\netcd:  %s\nproxy: %s", id, fmtMsg(a.canceled), fmtMsg(b.canceled))
 		}
 	}
@@ -481,16 +477,16 @@ func wxCompare(tb testing.TB, what string, d, p []*pb.WatchResponse, o wxCompare
 		}
 	}
 	for _, id := range o.boundaries {
-		a, b := wxBoundaries(dw[id]), wxBoundaries(pw[id])
+		a, b := responseSplit(dw[id]), responseSplit(pw[id])
 		if a != b {
 			fail("watch %d: responses split differently (events per response, f = fragment):\netcd:  %s\nproxy: %s", id, a, b)
 		}
 	}
 }
 
-// wxSameControl compares a created or cancel response; the header only when
+// sameControl compares a created or cancel response; the header only when
 // withHeader (it holds the revision of the moment of the request).
-func wxSameControl(a, b *pb.WatchResponse, withHeader bool) bool {
+func sameControl(a, b *pb.WatchResponse, withHeader bool) bool {
 	if a.WatchId != b.WatchId || a.Created != b.Created || a.Canceled != b.Canceled ||
 		a.CompactRevision != b.CompactRevision || a.CancelReason != b.CancelReason ||
 		a.Fragment != b.Fragment || len(a.Events) != len(b.Events) {
@@ -499,7 +495,7 @@ func wxSameControl(a, b *pb.WatchResponse, withHeader bool) bool {
 	return !withHeader || proto.Equal(a.Header, b.Header)
 }
 
-func wxBoundaries(w *wxWatch) string {
+func responseSplit(w *watchRecord) string {
 	if w == nil {
 		return "none"
 	}
@@ -514,8 +510,8 @@ func wxBoundaries(w *wxWatch) string {
 	return strings.Join(parts, " ")
 }
 
-// wxDump is a readable listing of a stream's responses, one a line.
-func wxDump(log []*pb.WatchResponse) string {
+// dumpResponses is a readable listing of a stream's responses, one a line.
+func dumpResponses(log []*pb.WatchResponse) string {
 	var b strings.Builder
 	const maxLines = 120
 	for i, r := range log {
@@ -538,7 +534,7 @@ func wxDump(log []*pb.WatchResponse) string {
 		if r.Fragment {
 			b.WriteString(" fragment")
 		}
-		if wxIsProgress(r) {
+		if isProgress(r) {
 			b.WriteString(" progress")
 		}
 		if n := len(r.Events); n > 0 {
@@ -548,7 +544,7 @@ func wxDump(log []*pb.WatchResponse) string {
 					b.WriteString(" …")
 					break
 				}
-				fmt.Fprintf(&b, " %s %q@%d", ev.Type, wxShort(ev.Kv.Key), ev.Kv.ModRevision)
+				fmt.Fprintf(&b, " %s %q@%d", ev.Type, shortKey(ev.Kv.Key), ev.Kv.ModRevision)
 				if ev.PrevKv != nil {
 					fmt.Fprintf(&b, "(prev@%d)", ev.PrevKv.ModRevision)
 				}
@@ -559,15 +555,15 @@ func wxDump(log []*pb.WatchResponse) string {
 	return b.String()
 }
 
-func wxShort(key []byte) string {
+func shortKey(key []byte) string {
 	if len(key) > 24 {
 		return string(key[:24]) + "…"
 	}
 	return string(key)
 }
 
-// wxEventsUpTo returns the events of evs with mod revision <= rev.
-func wxEventsUpTo(evs []*mvccpb.Event, rev int64) []*mvccpb.Event {
+// eventsUpTo returns the events of evs with mod revision <= rev.
+func eventsUpTo(evs []*mvccpb.Event, rev int64) []*mvccpb.Event {
 	var out []*mvccpb.Event
 	for _, ev := range evs {
 		if ev.Kv.ModRevision <= rev {
@@ -577,26 +573,13 @@ func wxEventsUpTo(evs []*mvccpb.Event, rev int64) []*mvccpb.Event {
 	return out
 }
 
-// wxSameEvents reports the first difference of two event sequences, or "".
-func wxSameEvents(d, p []*mvccpb.Event) string {
-	for i := range min(len(d), len(p)) {
-		if !proto.Equal(d[i], p[i]) {
-			return fmt.Sprintf("event %d differs:\netcd:  %s\nproxy: %s", i, fmtMsg(d[i]), fmtMsg(p[i]))
-		}
-	}
-	if len(d) != len(p) {
-		return fmt.Sprintf("etcd has %d events, the proxy %d", len(d), len(p))
-	}
-	return ""
-}
-
-// wxWriter writes to etcd directly, in order, through one client.
-type wxWriter struct {
+// etcdWriter writes to etcd directly, in order, through one client.
+type etcdWriter struct {
 	tb  testing.TB
 	cli *clientv3.Client
 }
 
-func (w wxWriter) put(key, val string, opts ...clientv3.OpOption) int64 {
+func (w etcdWriter) put(key, val string, opts ...clientv3.OpOption) int64 {
 	w.tb.Helper()
 	r, err := w.cli.Put(context.Background(), key, val, opts...)
 	if err != nil {
@@ -605,7 +588,18 @@ func (w wxWriter) put(key, val string, opts ...clientv3.OpOption) int64 {
 	return r.Header.Revision
 }
 
-func (w wxWriter) del(key string, opts ...clientv3.OpOption) int64 {
+// putEach puts val at prefix+"0" to prefix+"<n-1>", in order, and returns
+// the first put's revision.
+func (w etcdWriter) putEach(prefix string, n int, val string) int64 {
+	w.tb.Helper()
+	first := w.put(prefix+"0", val)
+	for i := 1; i < n; i++ {
+		w.put(fmt.Sprintf("%s%d", prefix, i), val)
+	}
+	return first
+}
+
+func (w etcdWriter) del(key string, opts ...clientv3.OpOption) int64 {
 	w.tb.Helper()
 	r, err := w.cli.Delete(context.Background(), key, opts...)
 	if err != nil {
@@ -614,7 +608,7 @@ func (w wxWriter) del(key string, opts ...clientv3.OpOption) int64 {
 	return r.Header.Revision
 }
 
-func (w wxWriter) txn(ops ...clientv3.Op) int64 {
+func (w etcdWriter) txn(ops ...clientv3.Op) int64 {
 	w.tb.Helper()
 	r, err := w.cli.Txn(context.Background()).Then(ops...).Commit()
 	if err != nil {
@@ -623,9 +617,9 @@ func (w wxWriter) txn(ops ...clientv3.Op) int64 {
 	return r.Header.Revision
 }
 
-// wxParallelPuts writes n puts of keyOf(i) with workers goroutines and
+// parallelPuts writes n puts of keyOf(i) with workers goroutines and
 // returns the highest revision written. Each put is its own revision.
-func wxParallelPuts(tb testing.TB, cli *clientv3.Client, n, workers int, keyOf func(i int) string) int64 {
+func parallelPuts(tb testing.TB, cli *clientv3.Client, n, workers int, keyOf func(i int) string) int64 {
 	tb.Helper()
 	var next, head atomic.Int64
 	var wg sync.WaitGroup
@@ -661,44 +655,44 @@ func wxParallelPuts(tb testing.TB, cli *clientv3.Client, n, workers int, keyOf f
 	return head.Load()
 }
 
-// wxCollectAll opens a watch of [key, end) from rev on etcd and collects its
+// referenceEvents opens a watch of [key, end) from rev on etcd and collects its
 // events up to upTo: the reference a proxy watch is compared with.
-func wxCollectAll(tb testing.TB, c *cluster, cr *pb.WatchCreateRequest, upTo int64) []*mvccpb.Event {
+func referenceEvents(tb testing.TB, c *cluster, cr *pb.WatchCreateRequest, upTo int64) []*mvccpb.Event {
 	tb.Helper()
-	s := wxOpen(tb, c.direct.ActiveConnection(), "etcd reference")
+	s := openWatchStream(tb, c.direct.ActiveConnection(), "etcd reference")
 	defer s.close()
 	s.create(cr)
 	s.waitCreated(1)
 	log := s.syncTo(upTo)
-	_, ws, _ := wxSplit(log)
+	_, ws, _ := splitResponses(log)
 	for _, w := range ws {
 		if w.canceled != nil {
 			tb.Fatalf("etcd reference watch canceled: %s", fmtMsg(w.canceled))
 		}
-		return wxEventsUpTo(w.events, upTo)
+		return eventsUpTo(w.events, upTo)
 	}
 	return nil
 }
 
-// wxProgressBehindHistory creates a synced watch on prefix and then cr (a
+// checkProgressBehindHistory creates a synced watch on prefix and then cr (a
 // watcher with history to send), requests progress right behind them, and
 // checks the notification: at least head (etcd's revision when requested),
 // and only after every event of cr up to it (want is etcd's events for cr).
-func wxProgressBehindHistory(t *testing.T, c *cluster, prefix string, cr *pb.WatchCreateRequest, want []*mvccpb.Event, head int64) {
+func checkProgressBehindHistory(t *testing.T, c *cluster, prefix string, cr *pb.WatchCreateRequest, want []*mvccpb.Event, head int64) {
 	t.Helper()
-	s := wxOpen(t, c.viaProxy.ActiveConnection(), "proxy")
-	s.create(&pb.WatchCreateRequest{Key: []byte(prefix), RangeEnd: prefixEnd([]byte(prefix))}) // synced
+	s := openWatchStream(t, c.viaProxy.ActiveConnection(), "proxy")
+	s.create(&pb.WatchCreateRequest{Key: []byte(prefix), RangeEnd: []byte(clientv3.GetPrefixRangeEnd(prefix))}) // synced
 	s.create(cr)
 	s.requestProgress() // right behind the create: the history is not sent yet
-	log := s.waitUntil("a progress notification", func(l []*pb.WatchResponse) bool { return wxProgressCount(l) >= 1 })
-	i := wxNthProgress(log, 1)
+	log := s.waitUntil("a progress notification", func(l []*pb.WatchResponse) bool { return progressCount(l) >= 1 })
+	i := nthProgress(log, 1)
 	r := log[i]
 	if r.Header.Revision < head {
 		t.Fatalf("progress at %d, below etcd's revision %d when it was requested", r.Header.Revision, head)
 	}
-	_, ws, _ := wxSplit(log[:i])
-	if diff := wxSameEvents(wxEventsUpTo(want, r.Header.Revision), ws[1].events); diff != "" {
+	_, ws, _ := splitResponses(log[:i])
+	if diff := proxytest.DiffEvents(eventsUpTo(want, r.Header.Revision), ws[1].events); diff != "" {
 		t.Fatalf("progress at %d sent before the watcher's events up to it (%d events sent before it): %s", r.Header.Revision, len(ws[1].events), diff)
 	}
-	wxCheckStream(t, "proxy", log, true)
+	checkStream(t, "proxy", log, true)
 }

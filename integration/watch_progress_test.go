@@ -21,22 +21,22 @@ import (
 	"go.etcd.io/etcd/server/v3/etcdserver/api/v3rpc"
 )
 
-// wxProgressCount counts requested progress notifications in log.
-func wxProgressCount(log []*pb.WatchResponse) int {
+// progressCount counts requested progress notifications in log.
+func progressCount(log []*pb.WatchResponse) int {
 	n := 0
 	for _, r := range log {
-		if wxIsProgress(r) && r.WatchId == clientv3.InvalidWatchID {
+		if isProgress(r) && r.WatchId == clientv3.InvalidWatchID {
 			n++
 		}
 	}
 	return n
 }
 
-// wxNthProgress returns the index in log of the n-th (from 1) requested
+// nthProgress returns the index in log of the n-th (from 1) requested
 // progress notification, or -1.
-func wxNthProgress(log []*pb.WatchResponse, n int) int {
+func nthProgress(log []*pb.WatchResponse, n int) int {
 	for i, r := range log {
-		if wxIsProgress(r) && r.WatchId == clientv3.InvalidWatchID {
+		if isProgress(r) && r.WatchId == clientv3.InvalidWatchID {
 			n--
 			if n == 0 {
 				return i
@@ -52,24 +52,24 @@ func wxNthProgress(log []*pb.WatchResponse, n int) int {
 // least that write's revision, after its event.
 func TestWatchProgressRequestedSynced(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	for i := range 5 {
 		w.put(fmt.Sprintf("p/%d", i), "0")
 	}
 	c.waitSynced(t)
-	pr := wxOpenPair(t, c)
-	pr.create(&pb.WatchCreateRequest{Key: []byte("p/"), RangeEnd: prefixEnd([]byte("p/")), PrevKv: true})
+	pr := openStreamPair(t, c)
+	pr.create(&pb.WatchCreateRequest{Key: []byte("p/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("p/")), PrevKv: true})
 	pr.create(&pb.WatchCreateRequest{Key: []byte("p/3")})
-	pr.create(&pb.WatchCreateRequest{Key: []byte("q/"), RangeEnd: prefixEnd([]byte("q/"))}) // never an event
+	pr.create(&pb.WatchCreateRequest{Key: []byte("q/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("q/"))}) // never an event
 	pr.waitCreated(3)
 
 	// Quiescent: the same answer as etcd's, at etcd's revision.
 	head := c.etcdRev(t)
 	pr.d.requestProgress()
 	pr.p.requestProgress()
-	d := pr.d.waitUntil("a progress notification", func(l []*pb.WatchResponse) bool { return wxProgressCount(l) == 1 })
-	p := pr.p.waitUntil("a progress notification", func(l []*pb.WatchResponse) bool { return wxProgressCount(l) == 1 })
-	dp, pp := d[wxNthProgress(d, 1)], p[wxNthProgress(p, 1)]
+	d := pr.d.waitUntil("a progress notification", func(l []*pb.WatchResponse) bool { return progressCount(l) == 1 })
+	p := pr.p.waitUntil("a progress notification", func(l []*pb.WatchResponse) bool { return progressCount(l) == 1 })
+	dp, pp := d[nthProgress(d, 1)], p[nthProgress(p, 1)]
 	if !proto.Equal(dp, pp) || pp.Header.Revision != head {
 		t.Fatalf("progress at etcd's revision %d:\netcd:  %s\nproxy: %s", head, fmtMsg(dp), fmtMsg(pp))
 	}
@@ -90,15 +90,15 @@ func TestWatchProgressRequestedSynced(t *testing.T) {
 		}
 		s.requestProgress()
 		want++
-		log := s.waitUntil("a progress notification", func(l []*pb.WatchResponse) bool { return wxProgressCount(l) >= want })
-		r := log[wxNthProgress(log, want)]
+		log := s.waitUntil("a progress notification", func(l []*pb.WatchResponse) bool { return progressCount(l) >= want })
+		r := log[nthProgress(log, want)]
 		if r.Header.Revision < rev {
-			t.Fatalf("progress requested after etcd's write at %d reports %d:\n%s", rev, r.Header.Revision, wxDump(log))
+			t.Fatalf("progress requested after etcd's write at %d reports %d:\n%s", rev, r.Header.Revision, dumpResponses(log))
 		}
 	}
 	head = c.etcdRev(t)
 	pr.syncTo(head)
-	wxCompare(t, "progress while synced", pr.d.responses(), pr.p.responses(), wxCompareOpts{quiescent: true})
+	compareStreams(t, "progress while synced", pr.d.responses(), pr.p.responses(), compareOpts{quiescent: true})
 }
 
 // TestWatchProgressUnsyncedWatcher: a requested progress notification on a
@@ -107,13 +107,13 @@ func TestWatchProgressRequestedSynced(t *testing.T) {
 func TestWatchProgressUnsyncedWatcher(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
 	first := c.etcdRev(t) + 1
-	wxParallelPuts(t, c.direct, 700, 8, func(i int) string { return fmt.Sprintf("u/%02d", i%40) })
+	parallelPuts(t, c.direct, 700, 8, func(i int) string { return fmt.Sprintf("u/%02d", i%40) })
 	c.waitSynced(t)
 	head := c.etcdRev(t)
-	cr := &pb.WatchCreateRequest{Key: []byte("u/"), RangeEnd: prefixEnd([]byte("u/")), StartRevision: first, PrevKv: true}
-	want := wxCollectAll(t, c, cr, head)
+	cr := &pb.WatchCreateRequest{Key: []byte("u/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("u/")), StartRevision: first, PrevKv: true}
+	want := referenceEvents(t, c, cr, head)
 
-	wxProgressBehindHistory(t, c, "u/", cr, want, head)
+	checkProgressBehindHistory(t, c, "u/", cr, want, head)
 }
 
 // TestWatchProgressUnderWrites: while another goroutine writes 500 times,
@@ -125,19 +125,19 @@ func TestWatchProgressUnsyncedWatcher(t *testing.T) {
 // watch's events equal etcd's.
 func TestWatchProgressUnderWrites(t *testing.T) {
 	c := newCluster(t, clusterOptions{})
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	first := w.put("c/0", "0")
 	for i := 1; i < 30; i++ {
 		w.put(fmt.Sprintf("c/%d", i%10), "0")
 	}
 	c.waitSynced(t)
-	pr := wxOpenPair(t, c)
+	pr := openStreamPair(t, c)
 	creates := []*pb.WatchCreateRequest{
-		{Key: []byte("c/"), RangeEnd: prefixEnd([]byte("c/")), PrevKv: true},
+		{Key: []byte("c/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("c/")), PrevKv: true},
 		{Key: []byte("c/1")},
-		{Key: []byte{0}, RangeEnd: wxFromKey, Filters: wxNoDelete},
-		{Key: []byte("c/"), RangeEnd: prefixEnd([]byte("c/")), StartRevision: first}, // from the past
-		{Key: []byte("c/5"), RangeEnd: wxFromKey, Filters: wxNoPut, PrevKv: true},
+		{Key: []byte{0}, RangeEnd: fromKeyEnd, Filters: filterNoDelete},
+		{Key: []byte("c/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("c/")), StartRevision: first}, // from the past
+		{Key: []byte("c/5"), RangeEnd: fromKeyEnd, Filters: filterNoPut, PrevKv: true},
 	}
 	for _, cr := range creates {
 		pr.create(cr)
@@ -202,30 +202,30 @@ loop:
 		floors = append(floors, acked.Load())
 		s.requestProgress()
 		n := len(floors) - 3
-		s.waitUntil("progress answers", func(l []*pb.WatchResponse) bool { return wxProgressCount(l) >= n })
+		s.waitUntil("progress answers", func(l []*pb.WatchResponse) bool { return progressCount(l) >= n })
 	}
 	wg.Wait()
 	if t.Failed() {
 		return
 	}
 	n := len(floors)
-	s.waitUntil("every progress answer", func(l []*pb.WatchResponse) bool { return wxProgressCount(l) >= n })
+	s.waitUntil("every progress answer", func(l []*pb.WatchResponse) bool { return progressCount(l) >= n })
 	head := c.etcdRev(t)
 	c.waitSynced(t)
 	pr.syncTo(head)
 	p := pr.p.responses()
-	if got := wxProgressCount(p); got < n+1 {
+	if got := progressCount(p); got < n+1 {
 		t.Fatalf("%d progress notifications for %d requests", got, n+1)
 	}
 	for k, floor := range floors {
-		i := wxNthProgress(p, k+1)
+		i := nthProgress(p, k+1)
 		if r := p[i].Header.Revision; r < floor {
 			t.Fatalf("progress request %d, sent after etcd acknowledged revision %d, answered with revision %d (response %d):\n%s",
-				k+1, floor, r, i, wxDump(p[max(0, i-20):min(len(p), i+5)]))
+				k+1, floor, r, i, dumpResponses(p[max(0, i-20):min(len(p), i+5)]))
 		}
 	}
 	t.Logf("%d progress requests during 500 writes", n)
-	wxCompare(t, "progress under writes", pr.d.responses(), p, wxCompareOpts{})
+	compareStreams(t, "progress under writes", pr.d.responses(), p, compareOpts{})
 }
 
 // TestWatchProgressNotifyPeriodic: with a progress interval of 200 ms, an
@@ -239,46 +239,46 @@ func TestWatchProgressNotifyPeriodic(t *testing.T) {
 	// embedded etcds of the other tests use the default.
 	v3rpc.SetProgressReportInterval(interval)
 	t.Cleanup(func() { v3rpc.SetProgressReportInterval(10 * time.Minute) })
-	w := wxWriter{t, c.direct}
+	w := etcdWriter{t, c.direct}
 	w.put("pn/idle", "0")
 	head := w.put("pn/busy", "0")
 	c.waitSynced(t)
 
-	pr := wxOpenPair(t, c)
-	pr.create(&pb.WatchCreateRequest{Key: []byte("pn/idle"), ProgressNotify: true})                                 // 0
-	pr.create(&pb.WatchCreateRequest{Key: []byte("pn/idle")})                                                       // 1: none
-	pr.create(&pb.WatchCreateRequest{Key: []byte("pn/"), RangeEnd: prefixEnd([]byte("pn/")), ProgressNotify: true}) // 2
+	pr := openStreamPair(t, c)
+	pr.create(&pb.WatchCreateRequest{Key: []byte("pn/idle"), ProgressNotify: true})                                                  // 0
+	pr.create(&pb.WatchCreateRequest{Key: []byte("pn/idle")})                                                                        // 1: none
+	pr.create(&pb.WatchCreateRequest{Key: []byte("pn/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("pn/")), ProgressNotify: true}) // 2
 	pr.waitCreated(3)
 	periodic := func(id int64, atLeast int, rev int64) func([]*pb.WatchResponse) bool {
 		return func(l []*pb.WatchResponse) bool {
 			n := 0
 			for _, r := range l {
-				if wxIsProgress(r) && r.WatchId == id && r.Header.Revision >= rev {
+				if isProgress(r) && r.WatchId == id && r.Header.Revision >= rev {
 					n++
 				}
 			}
 			return n >= atLeast
 		}
 	}
-	for _, s := range []*wxStream{pr.d, pr.p} {
+	for _, s := range []*watchStream{pr.d, pr.p} {
 		log := s.waitUntil("two periodic notifications of watch 0", periodic(0, 2, 0))
-		_, ws, req := wxSplit(log)
+		_, ws, req := splitResponses(log)
 		if len(req) != 0 {
-			t.Fatalf("%s: requested progress notifications without a request:\n%s", s.name, wxDump(log))
+			t.Fatalf("%s: requested progress notifications without a request:\n%s", s.name, dumpResponses(log))
 		}
 		if len(ws[1].progress) != 0 {
-			t.Fatalf("%s: periodic progress for a watcher without progress_notify:\n%s", s.name, wxDump(log))
+			t.Fatalf("%s: periodic progress for a watcher without progress_notify:\n%s", s.name, dumpResponses(log))
 		}
 		for _, r := range ws[0].progress {
 			if r.Header.Revision != head {
-				t.Fatalf("%s: periodic progress at %d, etcd's revision is %d:\n%s", s.name, r.Header.Revision, head, wxDump(log))
+				t.Fatalf("%s: periodic progress at %d, etcd's revision is %d:\n%s", s.name, r.Header.Revision, head, dumpResponses(log))
 			}
 		}
 	}
 	// Quiescent notifications are etcd's, header included.
 	dl, pl := pr.d.responses(), pr.p.responses()
-	_, dw, _ := wxSplit(dl)
-	_, pw, _ := wxSplit(pl)
+	_, dw, _ := splitResponses(dl)
+	_, pw, _ := splitResponses(pl)
 	if !proto.Equal(dw[0].progress[0], pw[0].progress[0]) {
 		t.Fatalf("periodic progress:\netcd:  %s\nproxy: %s", fmtMsg(dw[0].progress[0]), fmtMsg(pw[0].progress[0]))
 	}
@@ -286,17 +286,17 @@ func TestWatchProgressNotifyPeriodic(t *testing.T) {
 	// After a write: an event for watch 2, then notifications at the new
 	// revision for both progress_notify watchers, none older after it.
 	head = w.put("pn/busy", "1")
-	for _, s := range []*wxStream{pr.d, pr.p} {
+	for _, s := range []*watchStream{pr.d, pr.p} {
 		log := s.waitUntil("periodic notifications at the new revision", func(l []*pb.WatchResponse) bool {
 			return periodic(0, 1, head)(l) && periodic(2, 1, head)(l)
 		})
-		wxCheckStream(t, s.name, log, s == pr.p)
-		_, ws, _ := wxSplit(log)
+		checkStream(t, s.name, log, s == pr.p)
+		_, ws, _ := splitResponses(log)
 		if len(ws[1].progress) != 0 {
-			t.Fatalf("%s: periodic progress for a watcher without progress_notify:\n%s", s.name, wxDump(log))
+			t.Fatalf("%s: periodic progress for a watcher without progress_notify:\n%s", s.name, dumpResponses(log))
 		}
 		if len(ws[2].events) != 1 {
-			t.Fatalf("%s: watch 2 got %d events, want 1:\n%s", s.name, len(ws[2].events), wxDump(log))
+			t.Fatalf("%s: watch 2 got %d events, want 1:\n%s", s.name, len(ws[2].events), dumpResponses(log))
 		}
 	}
 }

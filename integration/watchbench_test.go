@@ -80,12 +80,12 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
-const wbMvccWatchers = "etcd_debugging_mvcc_watcher_total"
-
 func BenchmarkWatchFanout(b *testing.B) {
-	if *wbWatchers < *wbStreams || *wbStreams < 1 || *wbConns < 1 || *wbWrites < 1 {
+	if *fanoutWatchers < *fanoutStreams || *fanoutStreams < 1 || *fanoutConns < 1 || *fanoutWrites < 1 {
 		b.Fatalf("need watchers >= streams >= 1, connections >= 1, writes >= 1")
 	}
 	start := time.Now()
@@ -93,71 +93,71 @@ func BenchmarkWatchFanout(b *testing.B) {
 	// The keys the writes update exist before any watcher: every event has
 	// a prev_kv.
 	rng := rand.NewChaCha8([32]byte{})
-	for i := range wbKeys {
-		pad := make([]byte, wbValueSize)
+	for i := range fanoutKeys {
+		pad := make([]byte, fanoutValueSize)
 		rng.Read(pad)
-		if _, err := c.directKV.Put(context.Background(), &pb.PutRequest{Key: wbKey(i), Value: wbValue(-1, 0, pad)}); err != nil {
+		if _, err := c.directKV.Put(context.Background(), &pb.PutRequest{Key: fanoutKey(i), Value: fanoutValue(-1, 0, pad)}); err != nil {
 			b.Fatal(err)
 		}
 	}
 	c.waitSynced(b)
 	b.Logf("setup: %d watchers over %d streams on %d connections, %d writes of %d B over %d keys (interval %v), GOMAXPROCS %d; took %v",
-		*wbWatchers, *wbStreams, *wbConns, *wbWrites, wbValueSize, wbKeys, *wbWriteInterval, runtime.GOMAXPROCS(0), time.Since(start).Round(time.Millisecond))
+		*fanoutWatchers, *fanoutStreams, *fanoutConns, *fanoutWrites, fanoutValueSize, fanoutKeys, *fanoutWriteInterval, runtime.GOMAXPROCS(0), time.Since(start).Round(time.Millisecond))
 
-	var etcd, proxy *wbResult
+	var etcd, proxy *fanoutResult
 	b.Run("etcd", func(b *testing.B) { etcd = runWatchFanout(b, c, false) })
 	b.Run("proxy", func(b *testing.B) { proxy = runWatchFanout(b, c, true) })
 	if etcd != nil && proxy != nil {
 		// Straight to stdout, as compareBackends does.
-		fmt.Printf("SUMMARY %-22s %d watchers/%d streams, %d writes\n", b.Name(), *wbWatchers, *wbStreams, *wbWrites)
+		fmt.Printf("SUMMARY %-22s %d watchers/%d streams, %d writes\n", b.Name(), *fanoutWatchers, *fanoutStreams, *fanoutWrites)
 		for _, r := range []struct {
 			name string
-			r    *wbResult
+			r    *fanoutResult
 		}{{"etcd", etcd}, {"proxy", proxy}} {
 			fmt.Printf("SUMMARY   %-5s  p50 %8.1f ms  p99 %8.1f ms  max %8.1f ms  %9.0f events/s  %6.1f writes/s  upstream watchers %6.0f (+%.0f)  heap %7.1f MiB (watchers %6.1f, peak %7.1f)  create %6.0f ms  cpu/event %5.2f us\n",
-				r.name, wbMs(r.r.p50), wbMs(r.r.p99), wbMs(r.r.max), r.r.eventsPerSec, r.r.writesPerSec,
-				r.r.upstream, r.r.added, r.r.heapMiB, r.r.heapWatchersMiB, r.r.peakHeapMiB, wbMs(r.r.create), float64(r.r.cpuPerEvent)/float64(time.Microsecond))
+				r.name, toMs(r.r.p50), toMs(r.r.p99), toMs(r.r.max), r.r.eventsPerSec, r.r.writesPerSec,
+				r.r.upstream, r.r.added, r.r.heapMiB, r.r.heapWatchersMiB, r.r.peakHeapMiB, toMs(r.r.create), float64(r.r.cpuPerEvent)/float64(time.Microsecond))
 		}
 	}
 }
 
-func wbKey(i int) []byte { return fmt.Appendf(nil, "%spod-%05d", wbPrefix, i%wbKeys) }
+func fanoutKey(i int) []byte { return fmt.Appendf(nil, "%spod-%05d", fanoutPrefix, i%fanoutKeys) }
 
-func wbMs(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+func toMs(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
-func wbMiB(n int64) float64 { return float64(n) / (1 << 20) }
+func toMiB(n int64) float64 { return float64(n) / (1 << 20) }
 
-// wbResult is one side's measurement, averaged over the b.N runs
+// fanoutResult is one side's measurement, averaged over the b.N runs
 // (latencies over every delivery of every run).
-type wbResult struct {
+type fanoutResult struct {
 	p50, p99, max, create, cpuPerEvent          time.Duration
 	eventsPerSec, writesPerSec, upstream, added float64
 	heapWatchersMiB, heapMiB, peakHeapMiB       float64
 }
 
-// wbRun is one run of the scenario.
-type wbRun struct {
+// fanoutRun is one run of the scenario.
+type fanoutRun struct {
 	create, writing, delivering, cpu  time.Duration
 	upstream, added                   float64
 	heapWatchers, heapAfter, peakHeap int64
 }
 
-func runWatchFanout(b *testing.B, c *cluster, viaProxy bool) *wbResult {
+func runWatchFanout(b *testing.B, c *cluster, viaProxy bool) *fanoutResult {
 	b.StopTimer()
 	addr := c.etcdAddr
 	if viaProxy {
 		addr = c.proxyAddr
 	}
-	streams := *wbStreams
+	streams := *fanoutStreams
 	hists := make([]*latHist, streams)
 	for i := range hists {
 		hists[i] = newLatHist()
 	}
 	all := newLatHist()
-	var sum wbRun
+	var sum fanoutRun
 	for range b.N {
 		r := watchFanoutOnce(b, c, addr, viaProxy, hists)
-		wbLogStreamSpread(b, hists)
+		logStreamSpread(b, hists)
 		for _, h := range hists {
 			all.merge(h)
 			h.reset()
@@ -173,27 +173,27 @@ func runWatchFanout(b *testing.B, c *cluster, viaProxy bool) *wbResult {
 		sum.peakHeap += r.peakHeap
 	}
 	n := float64(b.N)
-	deliveries := float64(*wbWatchers) * float64(*wbWrites)
-	res := &wbResult{
+	deliveries := float64(*fanoutWatchers) * float64(*fanoutWrites)
+	res := &fanoutResult{
 		p50:             all.quantile(0.50),
 		p99:             all.quantile(0.99),
 		max:             time.Duration(all.max),
 		create:          sum.create / time.Duration(b.N),
 		eventsPerSec:    deliveries * n / sum.delivering.Seconds(),
-		writesPerSec:    float64(*wbWrites) * n / sum.writing.Seconds(),
+		writesPerSec:    float64(*fanoutWrites) * n / sum.writing.Seconds(),
 		cpuPerEvent:     time.Duration(float64(sum.cpu) / (deliveries * n)),
 		upstream:        sum.upstream / n,
 		added:           sum.added / n,
-		heapWatchersMiB: wbMiB(sum.heapWatchers) / n,
-		heapMiB:         wbMiB(sum.heapAfter) / n,
-		peakHeapMiB:     wbMiB(sum.peakHeap) / n,
+		heapWatchersMiB: toMiB(sum.heapWatchers) / n,
+		heapMiB:         toMiB(sum.heapAfter) / n,
+		peakHeapMiB:     toMiB(sum.peakHeap) / n,
 	}
 	if want := uint64(deliveries) * uint64(b.N); all.n != want {
 		b.Fatalf("recorded %d deliveries, want %d", all.n, want)
 	}
-	b.ReportMetric(wbMs(res.p50), "p50-ms")
-	b.ReportMetric(wbMs(res.p99), "p99-ms")
-	b.ReportMetric(wbMs(res.max), "max-ms")
+	b.ReportMetric(toMs(res.p50), "p50-ms")
+	b.ReportMetric(toMs(res.p99), "p99-ms")
+	b.ReportMetric(toMs(res.max), "max-ms")
 	b.ReportMetric(res.eventsPerSec, "events/s")
 	b.ReportMetric(res.writesPerSec, "writes/s")
 	b.ReportMetric(res.upstream, "upstream-watchers")
@@ -201,21 +201,21 @@ func runWatchFanout(b *testing.B, c *cluster, viaProxy bool) *wbResult {
 	b.ReportMetric(res.heapWatchersMiB, "heap-watchers-MiB")
 	b.ReportMetric(res.heapMiB, "heap-MiB")
 	b.ReportMetric(res.peakHeapMiB, "peak-heap-MiB")
-	b.ReportMetric(wbMs(res.create), "create-ms")
+	b.ReportMetric(toMs(res.create), "create-ms")
 	b.ReportMetric(float64(res.cpuPerEvent)/float64(time.Microsecond), "cpu-us/event")
 	return res
 }
 
 // watchFanoutOnce runs the scenario once against addr; only the writes and
 // the deliveries are timed.
-func watchFanoutOnce(b *testing.B, c *cluster, addr string, viaProxy bool, hists []*latHist) wbRun {
-	var r wbRun
-	nStreams, nWatchers, writes := *wbStreams, *wbWatchers, *wbWrites
+func watchFanoutOnce(b *testing.B, c *cluster, addr string, viaProxy bool, hists []*latHist) fanoutRun {
+	var r fanoutRun
+	nStreams, nWatchers, writes := *fanoutStreams, *fanoutWatchers, *fanoutWrites
 	// Every watcher must start after the previous run's writes: the proxy
 	// creates watchers at its own revision.
 	c.waitSynced(b)
 
-	conns, err := wbDial(addr, *wbConns)
+	conns, err := dialConns(addr, *fanoutConns)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -224,12 +224,12 @@ func watchFanoutOnce(b *testing.B, c *cluster, addr string, viaProxy bool, hists
 			conn.Close()
 		}
 	}()
-	pad := make([]byte, wbValueSize)
+	pad := make([]byte, fanoutValueSize)
 	rand.NewChaCha8([32]byte{1}).Read(pad)
 
 	runtime.GC()
-	heap0 := wbHeapAlloc()
-	watchers0 := metricSum(b, prometheus.DefaultGatherer, wbMvccWatchers, nil)
+	heap0 := heapAlloc()
+	watchers0 := metricSum(b, prometheus.DefaultGatherer, etcdWatcherGauge, nil)
 	var proxySent0, proxyCatchups0 float64
 	if viaProxy {
 		proxySent0 = c.proxyMetric(b, "etcd_snapcache_watch_events_sent_total", nil)
@@ -244,30 +244,30 @@ func watchFanoutOnce(b *testing.B, c *cluster, addr string, viaProxy bool, hists
 	errc := make(chan error, 1)
 	base := time.Now()
 	createStart := time.Now()
-	ss := make([]*wbStream, nStreams)
+	ss := make([]*fanoutStream, nStreams)
 	for i := range ss {
 		n := nWatchers / nStreams
 		if i < nWatchers%nStreams {
 			n++
 		}
-		ss[i], err = wbStartStream(ctx, conns[i%len(conns)], n, writes, base, hists[i], errc)
+		ss[i], err = startFanoutStream(ctx, conns[i%len(conns)], n, writes, base, hists[i], errc)
 		if err != nil {
 			b.Fatal(err)
 		}
 	}
-	deadline := time.After(*wbTimeout)
+	deadline := time.After(*fanoutTimeout)
 	for _, s := range ss {
 		select {
 		case <-s.created:
 		case err := <-errc:
 			b.Fatal(err)
 		case <-deadline:
-			b.Fatalf("watchers not created after %v", *wbTimeout)
+			b.Fatalf("watchers not created after %v", *fanoutTimeout)
 		}
 	}
 	r.create = time.Since(createStart)
 
-	watchersOpen := metricSum(b, prometheus.DefaultGatherer, wbMvccWatchers, nil)
+	watchersOpen := metricSum(b, prometheus.DefaultGatherer, etcdWatcherGauge, nil)
 	r.upstream, r.added = watchersOpen, watchersOpen-watchers0
 	if viaProxy {
 		if got := c.proxyMetric(b, "etcd_snapcache_watchers", nil); got != float64(nWatchers) {
@@ -275,7 +275,7 @@ func watchFanoutOnce(b *testing.B, c *cluster, addr string, viaProxy bool, hists
 		}
 	}
 	runtime.GC()
-	r.heapWatchers = wbHeapAlloc() - heap0
+	r.heapWatchers = heapAlloc() - heap0
 
 	// Sample the heap and etcd's watcher count while the events flow.
 	var peakHeap int64
@@ -286,8 +286,8 @@ func watchFanoutOnce(b *testing.B, c *cluster, addr string, viaProxy bool, hists
 		t := time.NewTicker(100 * time.Millisecond)
 		defer t.Stop()
 		for {
-			peakHeap = max(peakHeap, int64(wbHeapObjects()))
-			maxWatchers = max(maxWatchers, wbEtcdWatchers())
+			peakHeap = max(peakHeap, int64(heapObjects()))
+			maxWatchers = max(maxWatchers, readEtcdWatchers())
 			select {
 			case <-sampleStop:
 				return
@@ -301,7 +301,7 @@ func watchFanoutOnce(b *testing.B, c *cluster, addr string, viaProxy bool, hists
 	cpu0, cpuOK0 := processCPU()
 	writeStart := time.Now()
 	var pace *time.Ticker // writes paced at a fixed rate, if asked
-	if iv := *wbWriteInterval; iv > 0 {
+	if iv := *fanoutWriteInterval; iv > 0 {
 		pace = time.NewTicker(iv)
 		defer pace.Stop()
 	}
@@ -309,8 +309,8 @@ func watchFanoutOnce(b *testing.B, c *cluster, addr string, viaProxy bool, hists
 		if pace != nil && i > 0 {
 			<-pace.C
 		}
-		v := wbValue(i, time.Since(base), pad)
-		if _, err := c.directKV.Put(context.Background(), &pb.PutRequest{Key: wbKey(i), Value: v}); err != nil {
+		v := fanoutValue(i, time.Since(base), pad)
+		if _, err := c.directKV.Put(context.Background(), &pb.PutRequest{Key: fanoutKey(i), Value: v}); err != nil {
 			b.Fatal(err)
 		}
 		select {
@@ -320,12 +320,12 @@ func watchFanoutOnce(b *testing.B, c *cluster, addr string, viaProxy bool, hists
 		}
 	}
 	r.writing = time.Since(writeStart)
-	if *wbHeapProfile != "" {
+	if *fanoutHeapProfile != "" {
 		side := ".etcd"
 		if viaProxy {
 			side = ".proxy"
 		}
-		wbWriteHeapProfile(b, *wbHeapProfile+side)
+		writeHeapProfile(b, *fanoutHeapProfile+side)
 	}
 
 	// Wait for every delivery.
@@ -339,7 +339,7 @@ func watchFanoutOnce(b *testing.B, c *cluster, addr string, viaProxy bool, hists
 			for _, s := range ss {
 				got += s.received.Load()
 			}
-			b.Fatalf("%d of %d events delivered after %v", got, int64(nWatchers)*int64(writes), *wbTimeout)
+			b.Fatalf("%d of %d events delivered after %v", got, int64(nWatchers)*int64(writes), *fanoutTimeout)
 		}
 	}
 	doneAt := make([]time.Duration, len(ss)) // since the first write
@@ -359,7 +359,7 @@ func watchFanoutOnce(b *testing.B, c *cluster, addr string, viaProxy bool, hists
 	sampler.Wait()
 
 	runtime.GC()
-	r.heapAfter = wbHeapAlloc() - heap0
+	r.heapAfter = heapAlloc() - heap0
 	r.peakHeap = peakHeap - heap0
 	// Every event went out, and no watcher cost an upstream watch.
 	if maxWatchers != watchersOpen {
@@ -383,18 +383,18 @@ func watchFanoutOnce(b *testing.B, c *cluster, addr string, viaProxy bool, hists
 	for _, conn := range conns {
 		conn.Close()
 	}
-	waitFor(b, "etcd's watchers to go back to the baseline", func() bool {
-		return metricSum(b, prometheus.DefaultGatherer, wbMvccWatchers, nil) == watchers0
+	testsupport.WaitFor(b, waitTimeout, "etcd's watchers to go back to the baseline", func() bool {
+		return metricSum(b, prometheus.DefaultGatherer, etcdWatcherGauge, nil) == watchers0
 	})
 	if viaProxy {
-		waitFor(b, "the proxy's watchers to close", func() bool {
+		testsupport.WaitFor(b, waitTimeout, "the proxy's watchers to close", func() bool {
 			return c.proxyMetric(b, "etcd_snapcache_watchers", nil) == 0
 		})
 	}
 	return r
 }
 
-func wbWriteHeapProfile(b *testing.B, path string) {
+func writeHeapProfile(b *testing.B, path string) {
 	runtime.GC()
 	f, err := os.Create(path)
 	if err != nil {
@@ -406,22 +406,22 @@ func wbWriteHeapProfile(b *testing.B, path string) {
 	}
 }
 
-// wbHeapAlloc is the process's heap (live right after a GC).
-func wbHeapAlloc() int64 {
+// heapAlloc is the process's heap (live right after a GC).
+func heapAlloc() int64 {
 	var m runtime.MemStats
 	runtime.ReadMemStats(&m)
 	return int64(m.HeapAlloc)
 }
 
-// wbEtcdWatchers is etcd's mvcc watcher gauge, for goroutines that cannot
+// readEtcdWatchers is etcd's mvcc watcher gauge, for goroutines that cannot
 // fail the benchmark (-1 if it cannot be read).
-func wbEtcdWatchers() float64 {
+func readEtcdWatchers() float64 {
 	mfs, err := prometheus.DefaultGatherer.Gather()
 	if err != nil {
 		return -1
 	}
 	for _, mf := range mfs {
-		if mf.GetName() == wbMvccWatchers {
+		if mf.GetName() == etcdWatcherGauge {
 			var sum float64
 			for _, m := range mf.GetMetric() {
 				sum += m.GetGauge().GetValue()
@@ -432,10 +432,10 @@ func wbEtcdWatchers() float64 {
 	return -1
 }
 
-// wbLogStreamSpread logs how the streams' median and maximum latencies are
+// logStreamSpread logs how the streams' median and maximum latencies are
 // spread: a wide spread means some streams were served much later than
 // others.
-func wbLogStreamSpread(b *testing.B, hists []*latHist) {
+func logStreamSpread(b *testing.B, hists []*latHist) {
 	p50s := make([]time.Duration, len(hists))
 	maxs := make([]time.Duration, len(hists))
 	var conns strings.Builder
@@ -443,10 +443,10 @@ func wbLogStreamSpread(b *testing.B, hists []*latHist) {
 		p50s[i], maxs[i] = h.quantile(0.5), time.Duration(h.max)
 	}
 	// Streams are spread round-robin over the connections.
-	for conn := range min(*wbConns, len(hists)) {
+	for conn := range min(*fanoutConns, len(hists)) {
 		fmt.Fprintf(&conns, " %d:", conn)
-		for i := conn; i < len(hists); i += *wbConns {
-			fmt.Fprintf(&conns, " %.0f", wbMs(p50s[i])/1000)
+		for i := conn; i < len(hists); i += *fanoutConns {
+			fmt.Fprintf(&conns, " %.0f", toMs(p50s[i])/1000)
 		}
 	}
 	slices.Sort(p50s)

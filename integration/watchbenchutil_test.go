@@ -19,52 +19,53 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 var (
-	wbWatchers = flag.Int("snapcache.bench.watchers", 10000,
+	fanoutWatchers = flag.Int("snapcache.bench.watchers", 10000,
 		"watchers of BenchmarkWatchFanout, spread evenly over its streams")
-	wbStreams = flag.Int("snapcache.bench.watchstreams", 100,
+	fanoutStreams = flag.Int("snapcache.bench.watchstreams", 100,
 		"watch streams of BenchmarkWatchFanout (each a pb.Watch_WatchClient), spread round-robin over its connections")
-	wbConns = flag.Int("snapcache.bench.watchconns", 10,
+	fanoutConns = flag.Int("snapcache.bench.watchconns", 10,
 		"gRPC connections of BenchmarkWatchFanout's watch streams")
-	wbWrites = flag.Int("snapcache.bench.watchwrites", 1000,
+	fanoutWrites = flag.Int("snapcache.bench.watchwrites", 1000,
 		"Puts BenchmarkWatchFanout makes under the watched prefix (each one revision)")
-	wbWriteInterval = flag.Duration("snapcache.bench.watchwriteinterval", 0,
+	fanoutWriteInterval = flag.Duration("snapcache.bench.watchwriteinterval", 0,
 		"pace of BenchmarkWatchFanout's writes: one every interval; 0 writes sequentially, each as soon as the previous one is committed")
-	wbHeapProfile = flag.String("snapcache.bench.watchheapprofile", "",
+	fanoutHeapProfile = flag.String("snapcache.bench.watchheapprofile", "",
 		"if set, BenchmarkWatchFanout writes a heap profile (after a GC) to this file plus .etcd or .proxy when its writes end, when the backlog of events is largest")
-	wbWindow = flag.Int("snapcache.bench.watchwindow", 0,
+	fanoutWindow = flag.Int("snapcache.bench.watchwindow", 0,
 		"HTTP/2 receive window of BenchmarkWatchFanout's connections, per stream (the connection's is 10 times it); 0 keeps grpc-go's default, 64 KiB grown by its BDP estimator, as clientv3 has it")
-	wbTimeout = flag.Duration("snapcache.bench.watchtimeout", 10*time.Minute,
+	fanoutTimeout = flag.Duration("snapcache.bench.watchtimeout", 10*time.Minute,
 		"how long BenchmarkWatchFanout waits for every event to be delivered")
 )
 
 const (
-	wbPrefix    = "/registry/pods/watchbench/"
-	wbKeys      = 100  // keys the writes cycle over, created before the watchers
-	wbValueSize = 1024 // bytes of every value
-	wbHeader    = 16   // value prefix: send time (ns since the run's base), write sequence number
+	fanoutPrefix      = "/registry/pods/watchbench/"
+	fanoutKeys        = 100  // keys the writes cycle over, created before the watchers
+	fanoutValueSize   = 1024 // bytes of every value
+	fanoutValueHeader = 16   // value prefix: send time (ns since the run's base), write sequence number
 )
 
-// wbValue is the value of write seq, sent at sent (time since the run's base).
-func wbValue(seq int, sent time.Duration, pad []byte) []byte {
-	v := make([]byte, wbValueSize)
+// fanoutValue is the value of write seq, sent at sent (time since the run's base).
+func fanoutValue(seq int, sent time.Duration, pad []byte) []byte {
+	v := make([]byte, fanoutValueSize)
 	binary.BigEndian.PutUint64(v[0:8], uint64(sent))
 	binary.BigEndian.PutUint64(v[8:16], uint64(seq))
-	copy(v[wbHeader:], pad)
+	copy(v[fanoutValueHeader:], pad)
 	return v
 }
 
-// wbWatcher is one watcher's progress, touched only by its stream's receive
+// fanoutWatcher is one watcher's progress, touched only by its stream's receive
 // goroutine.
-type wbWatcher struct {
+type fanoutWatcher struct {
 	events  int   // events received; also the sequence number of the next
 	lastRev int64 // mod revision of the last event
 }
 
-// wbStream is one client watch stream with n watchers on the prefix.
-type wbStream struct {
+// fanoutStream is one client watch stream with n watchers on the prefix.
+type fanoutStream struct {
 	ws       pb.Watch_WatchClient
 	n        int // watchers
 	expected int // events to receive: n * writes
@@ -72,7 +73,7 @@ type wbStream struct {
 	hist     *latHist
 
 	// The receive goroutine's state.
-	watchers map[int64]*wbWatcher
+	watchers map[int64]*fanoutWatcher
 	received atomic.Int64 // events; read by the benchmark while it waits
 	lastAt   atomic.Int64 // ns since base of the last expected event's receipt
 	created  chan struct{}
@@ -80,31 +81,31 @@ type wbStream struct {
 	errc     chan<- error
 }
 
-// wbStartStream opens a watch stream on conn, starts its receive goroutine and
+// startFanoutStream opens a watch stream on conn, starts its receive goroutine and
 // sends n create requests for the prefix with prev_kv, as kube-apiserver
 // watches. Failures go to errc.
-func wbStartStream(ctx context.Context, conn *grpc.ClientConn, n, writes int, base time.Time, hist *latHist, errc chan<- error) (*wbStream, error) {
+func startFanoutStream(ctx context.Context, conn *grpc.ClientConn, n, writes int, base time.Time, hist *latHist, errc chan<- error) (*fanoutStream, error) {
 	ws, err := pb.NewWatchClient(conn).Watch(ctx)
 	if err != nil {
 		return nil, err
 	}
-	s := &wbStream{
+	s := &fanoutStream{
 		ws:       ws,
 		n:        n,
 		expected: n * writes,
 		base:     base,
 		hist:     hist,
-		watchers: make(map[int64]*wbWatcher, n),
+		watchers: make(map[int64]*fanoutWatcher, n),
 		created:  make(chan struct{}),
 		done:     make(chan struct{}),
 		errc:     errc,
 	}
 	go s.recvLoop(ctx)
 	go func() {
-		end := prefixEnd([]byte(wbPrefix))
+		end := []byte(clientv3.GetPrefixRangeEnd(fanoutPrefix))
 		for range n {
 			err := ws.Send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CreateRequest{
-				CreateRequest: &pb.WatchCreateRequest{Key: []byte(wbPrefix), RangeEnd: end, PrevKv: true},
+				CreateRequest: &pb.WatchCreateRequest{Key: []byte(fanoutPrefix), RangeEnd: end, PrevKv: true},
 			}})
 			if err != nil {
 				s.fail(ctx, fmt.Errorf("sending a create request: %w", err))
@@ -115,7 +116,7 @@ func wbStartStream(ctx context.Context, conn *grpc.ClientConn, n, writes int, ba
 	return s, nil
 }
 
-func (s *wbStream) fail(ctx context.Context, err error) {
+func (s *fanoutStream) fail(ctx context.Context, err error) {
 	if ctx.Err() != nil {
 		return // the benchmark closed the stream
 	}
@@ -129,7 +130,7 @@ func (s *wbStream) fail(ctx context.Context, err error) {
 // gets every write, in order, once, with its prev_kv, and records each
 // event's latency from just before its Put was sent to the receipt of the
 // response that carries it.
-func (s *wbStream) recvLoop(ctx context.Context) {
+func (s *fanoutStream) recvLoop(ctx context.Context) {
 	received := 0
 	for {
 		resp, err := s.ws.Recv()
@@ -143,7 +144,7 @@ func (s *wbStream) recvLoop(ctx context.Context) {
 				s.fail(ctx, fmt.Errorf("create refused or duplicate id: %v", resp))
 				return
 			}
-			s.watchers[resp.WatchId] = &wbWatcher{}
+			s.watchers[resp.WatchId] = &fanoutWatcher{}
 			if len(s.watchers) == s.n {
 				close(s.created)
 			}
@@ -181,9 +182,9 @@ func (s *wbStream) recvLoop(ctx context.Context) {
 	}
 }
 
-func (w *wbWatcher) check(value []byte, modRev int64, hasPrev bool) error {
-	if len(value) != wbValueSize {
-		return fmt.Errorf("value of %d bytes, want %d", len(value), wbValueSize)
+func (w *fanoutWatcher) check(value []byte, modRev int64, hasPrev bool) error {
+	if len(value) != fanoutValueSize {
+		return fmt.Errorf("value of %d bytes, want %d", len(value), fanoutValueSize)
 	}
 	seq := int(binary.BigEndian.Uint64(value[8:16]))
 	switch {
@@ -199,15 +200,15 @@ func (w *wbWatcher) check(value []byte, modRev int64, hasPrev bool) error {
 	return nil
 }
 
-// wbDial opens n gRPC connections to addr, without client-side limits.
-func wbDial(addr string, n int) ([]*grpc.ClientConn, error) {
+// dialConns opens n gRPC connections to addr, without client-side limits.
+func dialConns(addr string, n int) ([]*grpc.ClientConn, error) {
 	conns := make([]*grpc.ClientConn, 0, n)
 	for range n {
 		opts := []grpc.DialOption{
 			grpc.WithTransportCredentials(insecure.NewCredentials()),
 			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(1 << 30)),
 		}
-		if w := *wbWindow; w > 0 {
+		if w := *fanoutWindow; w > 0 {
 			opts = append(opts, grpc.WithInitialWindowSize(int32(w)), grpc.WithInitialConnWindowSize(int32(10*w)))
 		}
 		conn, err := grpc.NewClient(addr, opts...)
@@ -222,9 +223,9 @@ func wbDial(addr string, n int) ([]*grpc.ClientConn, error) {
 	return conns, nil
 }
 
-// wbHeapObjects is runtime.MemStats.HeapAlloc (live objects and garbage
+// heapObjects is runtime.MemStats.HeapAlloc (live objects and garbage
 // not yet swept), without stopping the world.
-func wbHeapObjects() uint64 {
+func heapObjects() uint64 {
 	s := []metrics.Sample{{Name: "/memory/classes/heap/objects:bytes"}}
 	metrics.Read(s)
 	if s[0].Value.Kind() != metrics.KindUint64 {

@@ -3,9 +3,12 @@ package progress
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
 // fakeHead is a controllable quorum read: each call announces itself and
@@ -128,24 +131,12 @@ func TestHeadProbeVerdicts(t *testing.T) {
 }
 
 // waitQueued waits until n readers are parked on the queued probe, reading
-// the probe's state under its lock every millisecond.
+// the probe's state under its lock.
 func waitQueued(t *testing.T, p *headProbe, n int) {
 	t.Helper()
-	deadline := time.NewTimer(10 * time.Second)
-	defer deadline.Stop()
-	tick := time.NewTicker(time.Millisecond)
-	defer tick.Stop()
-	for {
+	testsupport.WaitFor(t, 10*time.Second, fmt.Sprintf("%d readers queued behind the probe in flight", n), func() bool {
 		p.mu.Lock()
-		queued := p.next != nil && p.next.waiters == n
-		p.mu.Unlock()
-		if queued {
-			return
-		}
-		select {
-		case <-tick.C:
-		case <-deadline.C:
-			t.Fatalf("%d readers never queued behind the probe in flight", n)
-		}
-	}
+		defer p.mu.Unlock()
+		return p.next != nil && p.next.waiters == n
+	})
 }

@@ -10,6 +10,8 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
 // fakeStatus answers Maintenance.Status with the version the test sets, or
@@ -73,15 +75,5 @@ func TestVersionTrackerRetriesAndFollowsReconnects(t *testing.T) {
 
 func waitVersion(t *testing.T, st *upstreamState, want string) {
 	t.Helper()
-	deadline := time.NewTimer(10 * time.Second)
-	defer deadline.Stop()
-	tick := time.NewTicker(time.Millisecond)
-	defer tick.Stop()
-	for st.getVersion() != want {
-		select {
-		case <-tick.C:
-		case <-deadline.C:
-			t.Fatalf("version %q, want %q", st.getVersion(), want)
-		}
-	}
+	testsupport.WaitFor(t, 10*time.Second, "version "+want, func() bool { return st.getVersion() == want })
 }

@@ -30,6 +30,7 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/pkg/v3/traceutil"
 	"go.etcd.io/etcd/server/v3/etcdserver/txn"
 	"go.etcd.io/etcd/server/v3/lease"
@@ -197,22 +198,21 @@ func (h *harness) randDeleteRange(r source) (key, end []byte) {
 	case 3:
 		return key, []byte{} // from key (range_end "\x00" in the API)
 	case 4:
-		return key, prefixEnd(key)
+		return key, mvccRangeEnd([]byte(clientv3.GetPrefixRangeEnd(string(key))))
 	default:
 		return key, h.randBound(r) // may be inverted: deletes nothing
 	}
 }
 
-// prefixEnd is clientv3.GetPrefixRangeEnd in mvcc's encoding.
-func prefixEnd(key []byte) []byte {
-	end := bytes.Clone(key)
-	for i := len(end) - 1; i >= 0; i-- {
-		if end[i] < 0xff {
-			end[i]++
-			return end[:i+1]
-		}
+// mvccRangeEnd converts a range end from the API's encoding (nil: the key
+// alone; "\x00": every key from the key on) to mvcc's (nil: the key alone;
+// empty but not nil: every key from the key on), as etcd's txn.Range does
+// before it reads mvcc.
+func mvccRangeEnd(end []byte) []byte {
+	if len(end) == 1 && end[0] == 0 {
+		return []byte{}
 	}
-	return []byte{} // all 0xff: every key from key on
+	return end
 }
 
 // step performs one random write (or compaction) on etcd and mirrors the
@@ -467,10 +467,7 @@ func (h *harness) randRequest(r source) *pb.RangeRequest {
 		req.Key, req.RangeEnd = h.randBound(r), h.randBound(r)
 	case 5: // prefix
 		req.Key = h.randKey(r)
-		req.RangeEnd = prefixEnd(req.Key)
-		if len(req.RangeEnd) == 0 {
-			req.RangeEnd = []byte{0}
-		}
+		req.RangeEnd = []byte(clientv3.GetPrefixRangeEnd(string(req.Key)))
 	case 6: // from key
 		req.Key, req.RangeEnd = h.randBound(r), []byte{0}
 	case 7: // a range_end present on the wire but empty: etcd reads from key on
@@ -512,17 +509,17 @@ func (h *harness) randRequest(r source) *pb.RangeRequest {
 	return req
 }
 
-// cloneRangeRequest copies req field by field. proto.Clone would turn a
-// present but empty range_end ([]byte{}) into nil, which etcd reads
-// differently (from key on, against a single key).
+// cloneRangeRequest copies req with proto.Clone, then puts back a range_end
+// that is present but empty. proto3 bytes have no presence, so Clone turns
+// []byte{} into nil; txn.Range hands range_end to mvcc as it is, and mvcc
+// reads an empty non-nil end as every key from the key on, a nil one as the
+// key alone (see mvccRangeEnd).
 func cloneRangeRequest(req *pb.RangeRequest) *pb.RangeRequest {
-	return &pb.RangeRequest{
-		Key: req.Key, RangeEnd: req.RangeEnd, Limit: req.Limit, Revision: req.Revision,
-		SortOrder: req.SortOrder, SortTarget: req.SortTarget, Serializable: req.Serializable,
-		KeysOnly: req.KeysOnly, CountOnly: req.CountOnly,
-		MinModRevision: req.MinModRevision, MaxModRevision: req.MaxModRevision,
-		MinCreateRevision: req.MinCreateRevision, MaxCreateRevision: req.MaxCreateRevision,
+	c := proto.Clone(req).(*pb.RangeRequest)
+	if req.RangeEnd != nil && len(req.RangeEnd) == 0 {
+		c.RangeEnd = []byte{}
 	}
+	return c
 }
 
 // check answers req with etcd and with every revtree store and fails on

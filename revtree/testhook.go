@@ -1,3 +1,5 @@
+//go:build snapcachetest
+
 package revtree
 
 import "go.etcd.io/etcd/api/v3/mvccpb"
@@ -6,7 +8,8 @@ import "go.etcd.io/etcd/api/v3/mvccpb"
 // snapshot and in every later one with kv, without an event: it makes the
 // store disagree with etcd. It exists only so that tests can prove the
 // consistency checker detects and repairs such a divergence; nothing else
-// may call it.
+// may call it. It is built only with the snapcachetest build tag (make
+// test sets it), so that no binary contains it.
 func (s *Store) CorruptForTest(kv *mvccpb.KeyValue) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()

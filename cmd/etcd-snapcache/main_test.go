@@ -2,20 +2,16 @@ package main
 
 import (
 	"bytes"
-	"context"
-	"errors"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/urfave/cli/v2"
-	"go.uber.org/zap/zaptest"
-
-	"go.etcd.io/etcd/api/v3/mvccpb"
-	clientv3 "go.etcd.io/etcd/client/v3"
-
-	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"go.uber.org/goleak"
 )
+
+// Every goroutine a test starts, an embedded etcd's and the proxy's
+// included, must be gone when the tests end.
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // run runs the CLI in-process and returns its output and error; exit codes
 // are returned, not acted on.
@@ -43,60 +39,5 @@ func TestServeRejectsBadFlags(t *testing.T) {
 		if _, err := run(args...); err == nil {
 			t.Errorf("%v: no error", args)
 		}
-	}
-}
-
-// TestCheckCommand: `check` passes against a healthy proxy, and exits 1
-// naming the key once the proxy's cache is corrupted.
-func TestCheckCommand(t *testing.T) {
-	e, err := server.StartEmbedded(server.EmbeddedConfig{Dir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(e.Close)
-	etcd := server.EmbeddedEndpoint(e)
-	p, err := server.Start(server.Config{
-		Endpoints:                []string{etcd},
-		ListenAddr:               "127.0.0.1:0",
-		ConsistencyCheckInterval: -1, // the proxy must not repair itself here
-		Logger:                   zaptest.NewLogger(t),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(p.Stop)
-	<-p.Ready()
-
-	client, err := clientv3.New(clientv3.Config{Endpoints: []string{etcd}, DialTimeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
-	var last int64
-	for _, k := range []string{"a", "b", "c"} {
-		resp, err := client.Put(context.Background(), k, "v")
-		if err != nil {
-			t.Fatal(err)
-		}
-		last = resp.Header.Revision
-	}
-	for p.Store().Rev() < last {
-		select {
-		case <-p.Follower().Changed():
-		case <-time.After(10 * time.Second):
-			t.Fatal("the proxy did not catch up")
-		}
-	}
-
-	out, err := run("check", "--endpoints", etcd, "--proxy", p.Addr())
-	if err != nil || !strings.Contains(out, "OK") {
-		t.Fatalf("check of a healthy proxy: %q, %v", out, err)
-	}
-
-	p.Store().CorruptForTest(&mvccpb.KeyValue{Key: []byte("b"), Value: []byte("x"), CreateRevision: 3, ModRevision: 99, Version: 7})
-	out, err = run("check", "--endpoints", etcd, "--proxy", p.Addr())
-	var exit cli.ExitCoder
-	if !errors.As(err, &exit) || exit.ExitCode() != 1 || !strings.Contains(err.Error(), `"b"`) {
-		t.Fatalf("check of a corrupted proxy: %q, %v; want exit 1 naming key b", out, err)
 	}
 }

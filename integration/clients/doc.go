@@ -11,8 +11,11 @@
 //     the proxy as its only etcd server, with the watch cache off and on,
 //     driven through its HTTPS API.
 //
-// It is its own module, without dependencies: it only runs binaries. Build
-// them first (tools/build.sh builds etcd, etcdctl and kube-apiserver from the
+// It is its own module: it only runs binaries, and needs none of the main
+// module's dependencies. Its one import from the repository is
+// internal/testsupport (standard library only), through a replace of the
+// main module by ../.. that brings no other module into its build. Build
+// the binaries first (tools/build.sh builds etcd, etcdctl and kube-apiserver from the
 // Go module proxy into .tools/bin), then
 //
 //	cd integration/clients && go test -count=1 ./...

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -16,6 +15,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
 // binary returns the absolute path of a program the suites run: $env if set,
@@ -52,28 +53,6 @@ func snapcacheBin(t testing.TB) string {
 
 func kubeAPIServerBin(t testing.TB) string {
 	return binary(t, "KUBE_APISERVER_BIN", "../../.tools/bin/kube-apiserver", "make tools-kube` (that is, `tools/build.sh kube`")
-}
-
-// freePorts returns n distinct free TCP ports on 127.0.0.1. All listeners are
-// held until every port is chosen, so the n ports differ.
-func freePorts(t testing.TB, n int) []int {
-	t.Helper()
-	ports := make([]int, 0, n)
-	var ls []net.Listener
-	defer func() {
-		for _, l := range ls {
-			l.Close()
-		}
-	}()
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		ls = append(ls, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	return ports
 }
 
 // process is a child process whose combined output goes to a log file.
@@ -175,32 +154,22 @@ func (p *process) tail(n int) string {
 }
 
 // waitUntil polls cond every 50ms until it returns true, failing the test
-// after timeout. The last error cond returned is reported. Processes in
-// watch make it fail early if they exit.
+// after timeout with the last error cond returned (testsupport.Poll).
+// Processes in watch make it fail early if they exit.
 func waitUntil(t testing.TB, timeout time.Duration, what string, cond func() (bool, error), watch ...*process) {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	tick := time.NewTicker(50 * time.Millisecond)
-	defer tick.Stop()
-	var last error
-	for {
+	testsupport.Poll(t, timeout, 50*time.Millisecond, what, func() (bool, error) {
+		t.Helper()
 		ok, err := cond()
-		if ok {
-			return
-		}
-		if err != nil {
-			last = err
-		}
-		for _, p := range watch {
-			if p.exited() {
-				t.Fatalf("waiting for %s: %s exited: %v", what, p.name, p.err)
+		if !ok {
+			for _, p := range watch {
+				if p.exited() {
+					t.Fatalf("waiting for %s: %s exited: %v", what, p.name, p.err)
+				}
 			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("waiting for %s: not done after %v (last error: %v)", what, timeout, last)
-		}
-		<-tick.C
-	}
+		return ok, err
+	})
 }
 
 var plainHTTP = &http.Client{Timeout: 5 * time.Second}
@@ -229,7 +198,7 @@ type etcdProc struct {
 func startEtcd(t testing.TB, name string, extra ...string) *etcdProc {
 	t.Helper()
 	bin := etcdBin(t)
-	ports := freePorts(t, 2)
+	ports := testsupport.FreePorts(t, 2)
 	addr := fmt.Sprintf("127.0.0.1:%d", ports[0])
 	clientURL := "http://" + addr
 	peerURL := fmt.Sprintf("http://127.0.0.1:%d", ports[1])
@@ -261,7 +230,7 @@ type proxyProc struct {
 func startProxy(t testing.TB, name, upstream string, extra ...string) *proxyProc {
 	t.Helper()
 	bin := snapcacheBin(t)
-	ports := freePorts(t, 2)
+	ports := testsupport.FreePorts(t, 2)
 	addr := fmt.Sprintf("127.0.0.1:%d", ports[0])
 	metrics := fmt.Sprintf("127.0.0.1:%d", ports[1])
 	args := append([]string{

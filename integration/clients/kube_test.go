@@ -24,6 +24,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
 // TestKubeAPIServer runs an unmodified kube-apiserver (built from the
@@ -114,7 +116,7 @@ func startKube(t *testing.T, bins kubeBins, watchCache bool) *kubeEnv {
 	writeFile(t, filepath.Join(dir, "sa.pub"), string(pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pub})))
 	certDir := filepath.Join(dir, "certs")
 
-	port := freePorts(t, 1)[0]
+	port := testsupport.FreePorts(t, 1)[0]
 	args := []string{
 		"--etcd-servers=" + px.url,
 		fmt.Sprintf("--secure-port=%d", port),

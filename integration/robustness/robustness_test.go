@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -32,6 +31,8 @@ import (
 	"go.etcd.io/etcd/tests/v3/robustness/traffic"
 	"go.etcd.io/etcd/tests/v3/robustness/validate"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
 
@@ -139,7 +140,7 @@ type env struct {
 	// etcdConfig starts etcd, at the start and on a restart: the same
 	// data directory and the same client and peer URLs.
 	etcdConfig server.EmbeddedConfig
-	relay      *relay
+	relay      *testsupport.Relay
 	proxy      *server.Server
 
 	mu sync.Mutex
@@ -157,8 +158,8 @@ func newEnv(t *testing.T, lg *zap.Logger) *env {
 	// configuration and listens where the relay dials.
 	en.etcdConfig = server.EmbeddedConfig{
 		Dir:       en.dataDir,
-		ClientURL: "http://" + freeAddr(t),
-		PeerURL:   "http://" + freeAddr(t),
+		ClientURL: "http://" + testsupport.FreeAddr(t),
+		PeerURL:   "http://" + testsupport.FreeAddr(t),
 		Logger:    lg,
 	}
 	e, err := server.StartEmbedded(en.etcdConfig)
@@ -167,9 +168,10 @@ func newEnv(t *testing.T, lg *zap.Logger) *env {
 	}
 	en.etcd = e
 	t.Cleanup(en.stop)
-	en.relay = newRelay(t, e.Clients[0].Addr().String())
-	p, err := server.Start(server.Config{
-		Endpoints:               []string{"http://" + en.relay.addr()},
+	// The relay holds the connections made during a cut (see faultFor).
+	en.relay = testsupport.NewRelay(t, e.Clients[0].Addr().String(), testsupport.HoldWhileCut())
+	en.proxy = proxytest.StartProxy(t, server.Config{
+		Endpoints:               []string{"http://" + en.relay.Addr()},
 		ListenAddr:              "127.0.0.1:0",
 		CompactionProbeInterval: 20 * time.Millisecond,
 		// The robustness scenarios run etcd with
@@ -178,29 +180,7 @@ func newEnv(t *testing.T, lg *zap.Logger) *env {
 		WatchProgressNotifyInterval: 100 * time.Millisecond,
 		Logger:                      lg.Named("proxy"),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	en.proxy = p
-	select {
-	case <-p.Ready():
-	case err := <-p.Err():
-		t.Fatal(err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("proxy not ready after 30s")
-	}
 	return en
-}
-
-// freeAddr returns a loopback address with a port free at the time.
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
 }
 
 // stop stops the proxy, then etcd, so that etcd's WAL is complete and
