@@ -173,10 +173,11 @@ func New(cfg Config) *Server {
 
 // Range serves r from the store when it can, else from etcd.
 func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeResponse, error) {
-	if err := checkRangeRequest(r); err != nil {
+	// etcd's interceptor refuses before its handler validates.
+	if err := s.checkLeader(ctx); err != nil {
 		return nil, err
 	}
-	if err := s.checkLeader(ctx); err != nil {
+	if err := checkRangeRequest(r); err != nil {
 		return nil, err
 	}
 	rules := s.rules()
@@ -260,8 +261,8 @@ func (s *Server) checkLeader(ctx context.Context) error {
 	return nil
 }
 
-// checkRangeRequest is etcd's validation (api/v3rpc/key.go), which runs
-// before anything else.
+// checkRangeRequest is etcd's validation (api/v3rpc/key.go): the first
+// thing its handler does, after the interceptor's leader check.
 func checkRangeRequest(r *pb.RangeRequest) error {
 	if len(r.Key) == 0 {
 		return rpctypes.ErrGRPCEmptyKey

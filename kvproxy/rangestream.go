@@ -27,11 +27,11 @@ const (
 // RangeStream serves etcd 3.7's chunked Range from the store when Range
 // would be, chunking exactly as etcd does; otherwise it relays etcd's stream.
 func (s *Server) RangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServer[pb.RangeStreamResponse]) error {
-	if err := checkRangeStreamRequest(r); err != nil {
-		return err
-	}
 	ctx := stream.Context()
 	if err := s.checkLeader(ctx); err != nil {
+		return err
+	}
+	if err := checkRangeStreamRequest(r); err != nil {
 		return err
 	}
 	rules := s.rules()

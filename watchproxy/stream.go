@@ -51,16 +51,24 @@ type stream struct {
 	// Fields below are touched only by the send loop (run).
 	watchers map[int64]*watcher
 	nextID   int64
-	// progressWanted counts RequestProgress not yet answered; freshRev is
-	// a revision etcd proved current after they arrived (0: not yet).
-	progressWanted int
-	freshRev       int64
-	freshPending   bool // a freshness check is under way
-	freshAgain     bool // a request arrived after it began
+	// RequestProgress bookkeeping. Each request is answered once a
+	// freshness check begun after it arrived has proven a revision F, and
+	// every watcher has been sent everything up to some R >= F.
+	progressUnchecked int              // arrived after the running check began, or with none running
+	progressChecking  int              // covered by the running check
+	progressProven    []provenProgress // proven by a check, awaiting the watchers; oldest first
+	freshPending      bool             // a freshness check is running
 
 	freshc   chan freshResult  // a freshness check's result, to the send loop
 	catchupc chan catchupBatch // catch-up events and results, to the send loop
 	wg       sync.WaitGroup    // freshness-check and catch-up goroutines
+}
+
+// provenProgress is n progress requests that a freshness check proved
+// answerable at any revision >= rev.
+type provenProgress struct {
+	n   int
+	rev int64
 }
 
 // freshResult is the outcome of one follower.WaitFresh.
@@ -343,22 +351,23 @@ func (st *stream) sendWatcherEvents(w *watcher, evs []*mvccpb.Event, rev int64) 
 // requestProgress records a RequestProgress. etcd answers none on a stream
 // without watchers. Otherwise the answer waits for proof, through the
 // follower's coalesced RequestProgress upstream, that the store holds
-// everything etcd had committed when the request arrived: a check already
-// under way began earlier, so another one follows it.
+// everything etcd had committed when the request arrived. A check already
+// running began earlier and cannot prove that, so the request waits for the
+// next check, which starts when the running one ends; requests that arrive
+// meanwhile share it.
 func (st *stream) requestProgress() {
 	if len(st.watchers) == 0 {
 		return
 	}
-	st.progressWanted++
-	st.freshRev = 0
-	if st.freshPending {
-		st.freshAgain = true
-		return
+	st.progressUnchecked++
+	if !st.freshPending {
+		st.startFreshCheck()
 	}
-	st.startFreshCheck()
 }
 
+// startFreshCheck starts a check covering the requests not yet checked.
 func (st *stream) startFreshCheck() {
+	st.progressChecking, st.progressUnchecked = st.progressUnchecked, 0
 	st.freshPending = true
 	st.wg.Add(1)
 	go func() {
@@ -371,34 +380,39 @@ func (st *stream) startFreshCheck() {
 	}()
 }
 
+// onFresh takes a check's result for the requests it covered, and starts
+// the next check if requests arrived meanwhile.
 func (st *stream) onFresh(res freshResult) {
 	st.freshPending = false
 	switch {
-	case st.freshAgain:
-		st.freshAgain = false
-		st.startFreshCheck()
+	case st.progressChecking == 0:
+		// Its requests were dropped meanwhile (the last watcher left).
 	case res.err != nil:
-		// Freshness cannot be proven (etcd unreachable): like a request
-		// etcd cannot answer, it is dropped; clients ask again.
+		// Freshness cannot be proven (etcd unreachable): like requests
+		// etcd cannot answer, they are dropped; clients ask again.
 		st.s.lg.Debug("dropping progress requests: the cache could not be proven fresh",
-			zap.Int("requests", st.progressWanted), zap.Error(res.err))
-		st.progressWanted = 0
+			zap.Int("requests", st.progressChecking), zap.Error(res.err))
 	default:
-		st.freshRev = res.rev
+		st.progressProven = append(st.progressProven, provenProgress{n: st.progressChecking, rev: res.rev})
+	}
+	st.progressChecking = 0
+	if st.progressUnchecked > 0 {
+		st.startFreshCheck()
 	}
 }
 
-// answerProgress sends the pending progress notifications once every
-// watcher has been sent everything up to a revision R at least as new as the
-// one etcd proved current after the requests arrived. R is the least
-// position of the stream's watchers, not the store's revision, so that a
-// steady stream of writes cannot keep the answer waiting.
+// answerProgress sends the proven progress notifications once every
+// watcher has been sent everything up to a revision R at least as new as
+// the one their check proved. R is the least position of the stream's
+// watchers, not the store's revision, so that a steady stream of writes
+// cannot keep the answer waiting.
 func (st *stream) answerProgress() error {
-	if st.progressWanted == 0 || st.freshRev == 0 {
+	if len(st.progressProven) == 0 {
 		return nil
 	}
 	if len(st.watchers) == 0 {
-		st.progressWanted, st.freshRev = 0, 0
+		// As etcd: nothing is answered on a stream without watchers.
+		st.progressProven, st.progressUnchecked, st.progressChecking = nil, 0, 0
 		return nil
 	}
 	rev := int64(math.MaxInt64)
@@ -408,21 +422,20 @@ func (st *stream) answerProgress() error {
 		}
 		rev = min(rev, w.nextRev-1)
 	}
-	if rev < st.freshRev {
-		return nil
-	}
 	for _, w := range st.watchers {
 		// As etcd, no progress while a watcher starts beyond it.
 		if w.startRev > rev {
 			return nil
 		}
 	}
-	for ; st.progressWanted > 0; st.progressWanted-- {
-		if err := st.gs.Send(&pb.WatchResponse{Header: st.header(rev), WatchId: clientv3.InvalidWatchID}); err != nil {
-			return err
+	for len(st.progressProven) > 0 && st.progressProven[0].rev <= rev {
+		for range st.progressProven[0].n {
+			if err := st.gs.Send(&pb.WatchResponse{Header: st.header(rev), WatchId: clientv3.InvalidWatchID}); err != nil {
+				return err
+			}
 		}
+		st.progressProven = st.progressProven[1:]
 	}
-	st.freshRev = 0
 	return nil
 }
 

@@ -1,0 +1,665 @@
+package kvproxy
+
+import (
+	"context"
+	"errors"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"io"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+
+	"github.com/etcd-snapcache/etcd-snapcache/progress"
+	"github.com/etcd-snapcache/etcd-snapcache/revtree"
+)
+
+// Header fields the fake follower fills in, to tell a header served from
+// the store from one relayed from etcd.
+const (
+	fakeClusterID = 7
+	fakeMemberID  = 8
+	fakeRaftTerm  = 9
+	upstreamRev   = 999 // the revision the fake etcd answers at
+)
+
+// fakeFollower is a Follower whose answers the test sets.
+type fakeFollower struct {
+	serving    bool
+	version    string
+	leaderLost bool
+	// fence and waitRevision replace Fence and WaitRevision when set.
+	fence        func(ctx context.Context, rev int64) (int64, error)
+	waitRevision func(ctx context.Context, rev int64) error
+	store        *revtree.Store
+
+	mu       sync.Mutex
+	observed []*pb.ResponseHeader
+}
+
+func (f *fakeFollower) Serving() bool { return f.serving }
+
+func (f *fakeFollower) WaitRevision(ctx context.Context, rev int64) error {
+	if f.waitRevision != nil {
+		return f.waitRevision(ctx, rev)
+	}
+	if f.store.Rev() >= rev {
+		return nil
+	}
+	// The store never gets there: as if the wait timed out.
+	return context.DeadlineExceeded
+}
+
+func (f *fakeFollower) Fence(ctx context.Context, rev int64) (int64, error) {
+	if f.fence != nil {
+		return f.fence(ctx, rev)
+	}
+	return f.store.Rev(), nil
+}
+
+func (f *fakeFollower) FillHeader(h *pb.ResponseHeader) {
+	h.ClusterId, h.MemberId, h.RaftTerm = fakeClusterID, fakeMemberID, fakeRaftTerm
+}
+
+func (f *fakeFollower) ObserveHeader(h *pb.ResponseHeader) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.observed = append(f.observed, h)
+}
+
+func (f *fakeFollower) ObserveCompaction(int64, string) {}
+func (f *fakeFollower) UpstreamVersion() string         { return f.version }
+func (f *fakeFollower) LeaderLost() (bool, <-chan struct{}) {
+	return f.leaderLost, nil
+}
+
+// fakeKV is etcd's KV service: it answers Range and RangeStream at
+// upstreamRev and counts the calls.
+type fakeKV struct {
+	pb.KVClient
+
+	mu                   sync.Mutex
+	ranges, rangeStreams int
+}
+
+func (u *fakeKV) Range(ctx context.Context, r *pb.RangeRequest, _ ...grpc.CallOption) (*pb.RangeResponse, error) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	u.ranges++
+	return &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: upstreamRev}}, nil
+}
+
+func (u *fakeKV) RangeStream(ctx context.Context, r *pb.RangeRequest, _ ...grpc.CallOption) (grpc.ServerStreamingClient[pb.RangeStreamResponse], error) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	u.rangeStreams++
+	return &fakeRangeStreamClient{resps: []*pb.RangeStreamResponse{
+		{RangeResponse: &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: upstreamRev}}},
+	}}, nil
+}
+
+func (u *fakeKV) calls() int {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.ranges + u.rangeStreams
+}
+
+// fakeRangeStreamClient is etcd's side of a RangeStream: its responses,
+// then io.EOF.
+type fakeRangeStreamClient struct {
+	grpc.ClientStream
+	resps []*pb.RangeStreamResponse
+}
+
+func (c *fakeRangeStreamClient) Recv() (*pb.RangeStreamResponse, error) {
+	if len(c.resps) == 0 {
+		return nil, io.EOF
+	}
+	r := c.resps[0]
+	c.resps = c.resps[1:]
+	return r, nil
+}
+
+// fakeRangeStreamServer is the client's side of a RangeStream: it records
+// what the server sends.
+type fakeRangeStreamServer struct {
+	grpc.ServerStream
+	ctx  context.Context
+	sent []*pb.RangeStreamResponse
+}
+
+func (s *fakeRangeStreamServer) Context() context.Context { return s.ctx }
+func (s *fakeRangeStreamServer) Send(r *pb.RangeStreamResponse) error {
+	s.sent = append(s.sent, r)
+	return nil
+}
+
+func putKV(key, value string, rev, create, version int64) *mvccpb.KeyValue {
+	return &mvccpb.KeyValue{Key: []byte(key), Value: []byte(value), ModRevision: rev, CreateRevision: create, Version: version}
+}
+
+// routeEnv is one row's world: a real store at revision 13 (loaded at 10,
+// then a put of "a" at each of 11..13, nothing compacted), a fake follower
+// serving for etcd 3.7.3, and a fake etcd.
+type routeEnv struct {
+	store    *revtree.Store
+	follower *fakeFollower
+	upstream *fakeKV
+	cfg      Config
+	reg      *prometheus.Registry
+}
+
+func newRouteEnv(t *testing.T) *routeEnv {
+	t.Helper()
+	store := revtree.New(0)
+	store.Reset(10, []*mvccpb.KeyValue{
+		putKV("a", "a10", 10, 10, 1),
+		putKV("b", "b", 5, 5, 1),
+		putKV("c", "c", 6, 6, 1),
+	}, 0)
+	for rev := int64(11); rev <= 13; rev++ {
+		applyPut(t, store, rev, "a", rev-9)
+	}
+	e := &routeEnv{
+		store:    store,
+		follower: &fakeFollower{serving: true, version: "3.7.3", store: store},
+		upstream: &fakeKV{},
+		reg:      prometheus.NewRegistry(),
+	}
+	e.cfg = Config{
+		Store:    store,
+		Follower: e.follower,
+		Upstream: e.upstream,
+		Metrics:  NewMetrics(e.reg),
+	}
+	return e
+}
+
+// applyPut applies a put of key at rev, the key's version-th.
+func applyPut(t *testing.T, store *revtree.Store, rev int64, key string, version int64) {
+	t.Helper()
+	kv := putKV(key, key+strconv.FormatInt(rev, 10), rev, 10, version)
+	if _, err := store.Apply(rev, []*mvccpb.Event{{Type: mvccpb.PUT, Kv: kv}}); err != nil {
+		t.Fatalf("apply %d: %v", rev, err)
+	}
+}
+
+// via is the entry point a row goes through.
+type via int
+
+const (
+	viaRoute       via = iota // route itself (and Range for the metrics)
+	viaRange                  // only Range decides it (settle)
+	viaRangeStream            // RangeStream's own routing
+)
+
+type routeCase struct {
+	name string
+	via  via
+	// setup changes the world before the server is made; prepare the
+	// server before the request.
+	setup   func(t *testing.T, e *routeEnv)
+	prepare func(s *Server)
+	req     *pb.RangeRequest
+	// auth sends the request with a token; timeout bounds it.
+	auth    bool
+	timeout time.Duration
+
+	action action
+	reason reason
+	err    error // for refuse
+	// viewRev is the view's revision for serveFromCache.
+	viewRev int64
+}
+
+func key(k string) *pb.RangeRequest { return &pb.RangeRequest{Key: []byte(k)} }
+
+func serializable(k string, rev int64) *pb.RangeRequest {
+	return &pb.RangeRequest{Key: []byte(k), Serializable: true, Revision: rev}
+}
+
+func fenceReturns(err error) func(*testing.T, *routeEnv) {
+	return func(_ *testing.T, e *routeEnv) {
+		e.follower.fence = func(context.Context, int64) (int64, error) { return 0, err }
+	}
+}
+
+func failUnproven(err error) func(*testing.T, *routeEnv) {
+	return func(t *testing.T, e *routeEnv) {
+		fenceReturns(err)(t, e)
+		e.cfg.ConsistentReadFallback = FallbackFail
+	}
+}
+
+// routeCases has at least one row per reason of metrics.go
+// (TestRouteCoversEveryReason checks it).
+func routeCases() []routeCase {
+	errUnreachable := errors.New("etcd unreachable")
+	wide := &pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z")}
+	return []routeCase{
+		// Served from the cache.
+		{name: "linearizable after the fence", req: key("a"),
+			action: serveFromCache, reason: reasonLinearizable, viewRev: 13},
+		{name: "historical at a retained revision", req: serializable("a", 11),
+			action: serveFromCache, reason: reasonHistorical, viewRev: 11},
+		{name: "serializable at the head", req: serializable("a", 0),
+			action: serveFromCache, reason: reasonSerializable, viewRev: 13},
+		{name: "waited for a revision the store then reached", req: serializable("a", 14),
+			setup: func(t *testing.T, e *routeEnv) {
+				e.follower.waitRevision = func(ctx context.Context, rev int64) error {
+					applyPut(t, e.store, 14, "a", 5)
+					return nil
+				}
+			},
+			action: serveFromCache, reason: reasonWaited, viewRev: 14},
+
+		// Forwarded to etcd.
+		{name: "auth token", req: serializable("a", 0), auth: true,
+			action: forward, reason: reasonAuth},
+		{name: "store found inconsistent", req: serializable("a", 0),
+			setup:  func(_ *testing.T, e *routeEnv) { e.cfg.Inconsistent = func() bool { return true } },
+			action: forward, reason: reasonInconsistent},
+		{name: "older than the retained snapshots", req: serializable("a", 9),
+			action: forward, reason: reasonNotRetained},
+		{name: "store did not reach the revision in time", req: serializable("a", 20),
+			action: forward, reason: reasonAhead},
+		{name: "store not loaded", req: serializable("a", 0),
+			setup: func(_ *testing.T, e *routeEnv) {
+				e.store = revtree.New(0)
+				e.cfg.Store, e.follower.store = e.store, e.store
+			},
+			action: forward, reason: reasonNotReady},
+		{name: "keys-only with the release unknown",
+			req:    &pb.RangeRequest{Key: []byte("a"), KeysOnly: true, Serializable: true},
+			setup:  func(_ *testing.T, e *routeEnv) { e.follower.version = "" },
+			action: forward, reason: reasonVersionUnknown},
+		{name: "RangeStream with the release unknown", via: viaRangeStream, req: serializable("a", 0),
+			setup:  func(_ *testing.T, e *routeEnv) { e.follower.version = "" },
+			action: forward, reason: reasonVersionUnknown},
+		{name: "RangeStream before etcd 3.7", via: viaRangeStream, req: serializable("a", 0),
+			setup:  func(_ *testing.T, e *routeEnv) { e.follower.version = "3.6.16" },
+			action: forward, reason: reasonRangeStream},
+
+		// Forwarded or refused.
+		{name: "small read while loading", req: key("a"),
+			setup:  func(_ *testing.T, e *routeEnv) { e.follower.serving = false },
+			action: forward, reason: reasonLoading},
+		{name: "large read while loading", req: wide,
+			setup:  func(_ *testing.T, e *routeEnv) { e.follower.serving = false },
+			action: refuse, reason: reasonLoading, err: errLoading},
+		{name: "fence timed out, fallback forward", req: key("a"),
+			setup:  fenceReturns(context.DeadlineExceeded),
+			action: forward, reason: reasonFreshTimeout},
+		{name: "fence timed out, fallback fail", req: key("a"),
+			setup:  failUnproven(context.DeadlineExceeded),
+			action: refuse, reason: reasonFreshTimeout, err: errNotFresh},
+		{name: "fence failed, fallback forward", req: key("a"),
+			setup:  fenceReturns(errUnreachable),
+			action: forward, reason: reasonFreshError},
+		{name: "fence failed, fallback fail", req: key("a"),
+			setup:  failUnproven(errUnreachable),
+			action: refuse, reason: reasonFreshError, err: errNotFresh},
+
+		// Refused.
+		{name: "fence: etcd compacted the revision", req: &pb.RangeRequest{Key: []byte("a"), Revision: 3},
+			setup:  fenceReturns(progress.ErrCompacted),
+			action: refuse, reason: reasonCompacted, err: rpctypes.ErrGRPCCompacted},
+		{name: "store compacted the revision", req: serializable("a", 11),
+			setup:  func(_ *testing.T, e *routeEnv) { e.store.Compact(12) },
+			action: refuse, reason: reasonCompacted, err: rpctypes.ErrGRPCCompacted},
+		{name: "fence: future revision", req: &pb.RangeRequest{Key: []byte("a"), Revision: 1000},
+			setup:  fenceReturns(progress.ErrFutureRev),
+			action: refuse, reason: reasonFuture, err: rpctypes.ErrGRPCFutureRev},
+		{name: "forwarded read with no slot free", via: viaRange, req: serializable("a", 0), auth: true,
+			setup: func(_ *testing.T, e *routeEnv) { e.cfg.MaxForwardedReads = 1 },
+			// The one slot is taken for the whole request.
+			prepare: func(s *Server) { s.forwards <- struct{}{} },
+			timeout: 20 * time.Millisecond,
+			action:  refuse, reason: reasonOverload, err: errOverload},
+	}
+}
+
+func (tc routeCase) server(t *testing.T) (*routeEnv, *Server) {
+	t.Helper()
+	e := newRouteEnv(t)
+	if tc.setup != nil {
+		tc.setup(t, e)
+	}
+	s := New(e.cfg)
+	if tc.prepare != nil {
+		tc.prepare(s)
+	}
+	return e, s
+}
+
+func (tc routeCase) context(t *testing.T) context.Context {
+	ctx := t.Context()
+	if tc.auth {
+		ctx = metadata.NewIncomingContext(ctx, metadata.Pairs(rpctypes.TokenFieldNameGRPC, "token"))
+	}
+	if tc.timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, tc.timeout)
+		t.Cleanup(cancel)
+	}
+	return ctx
+}
+
+// TestRoute: one row per reason (and per action a reason can take); each
+// asserts the action, the reason and, for refusals, the exact error. Rows
+// that only Range or RangeStream decide are run through them and read back
+// from the metrics.
+func TestRoute(t *testing.T) {
+	for _, tc := range routeCases() {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.via != viaRoute {
+				got := tc.runEntry(t)
+				if got.action != tc.action || got.reason != tc.reason || !errors.Is(got.err, tc.err) {
+					t.Fatalf("got %v/%s/%v, want %v/%s/%v", got.action, got.reason, got.err, tc.action, tc.reason, tc.err)
+				}
+				return
+			}
+			_, s := tc.server(t)
+			rt := s.route(tc.context(t), tc.req, s.rules())
+			if rt.action != tc.action || rt.reason != tc.reason {
+				t.Fatalf("route = %v/%s (err %v), want %v/%s", rt.action, rt.reason, rt.err, tc.action, tc.reason)
+			}
+			switch tc.action {
+			case refuse:
+				if !errors.Is(rt.err, tc.err) || rt.err.Error() != tc.err.Error() {
+					t.Fatalf("refused with %v, want %v", rt.err, tc.err)
+				}
+			case serveFromCache:
+				if rt.err != nil || rt.view.Rev != tc.viewRev {
+					t.Fatalf("served view of revision %d (err %v), want %d", rt.view.Rev, rt.err, tc.viewRev)
+				}
+			case forward:
+				if rt.err != nil {
+					t.Fatalf("forwarded with error %v", rt.err)
+				}
+			}
+		})
+	}
+}
+
+// outcome is what one request through Range or RangeStream came to, as the
+// metrics counted it.
+type outcome struct {
+	action action
+	reason reason
+	err    error
+}
+
+// runEntry sends the row's request through Range (or RangeStream) on a
+// fresh server and reads back where it went. It fails unless the request
+// was counted exactly once, and unless etcd was asked exactly when the
+// request was counted as forwarded.
+func (tc routeCase) runEntry(t *testing.T) outcome {
+	t.Helper()
+	e, s := tc.server(t)
+	ctx := tc.context(t)
+	var err error
+	var header *pb.ResponseHeader
+	if tc.via == viaRangeStream {
+		stream := &fakeRangeStreamServer{ctx: ctx}
+		err = s.RangeStream(tc.req, stream)
+		if len(stream.sent) > 0 {
+			header = stream.sent[len(stream.sent)-1].RangeResponse.Header
+		}
+	} else {
+		var resp *pb.RangeResponse
+		resp, err = s.Range(ctx, tc.req)
+		if resp != nil {
+			header = resp.Header
+		}
+	}
+	if n := seriesCount(t, e.reg); n != 1 {
+		t.Fatalf("%d series counted, want exactly one:\n%s", n, dumpRanges(t, e.reg))
+	}
+	var got outcome
+	found := false
+	for _, src := range []struct {
+		source
+		action
+	}{{sourceCache, serveFromCache}, {sourceForwarded, forward}, {sourceRejected, refuse}} {
+		for _, why := range allReasons(t) {
+			if v := counted(t, e.reg, src.source, why); v != 0 {
+				if v != 1 || found {
+					t.Fatalf("counted %v as %s/%s, want one count in all:\n%s", v, src.source, why, dumpRanges(t, e.reg))
+				}
+				got, found = outcome{action: src.action, reason: why, err: err}, true
+			}
+		}
+	}
+	if !found {
+		t.Fatalf("request not counted:\n%s", dumpRanges(t, e.reg))
+	}
+	calls := e.upstream.calls()
+	switch got.action {
+	case forward:
+		if calls != 1 || err != nil || header == nil || header.Revision != upstreamRev {
+			t.Fatalf("forwarded: %d calls to etcd, err %v, header %v; want etcd's answer", calls, err, header)
+		}
+	case serveFromCache:
+		if calls != 0 || err != nil || header == nil || header.Revision != e.store.Rev() || header.ClusterId != fakeClusterID {
+			t.Fatalf("from the cache: %d calls to etcd, err %v, header %v; want the store's answer", calls, err, header)
+		}
+	case refuse:
+		if calls != 0 || err == nil {
+			t.Fatalf("refused: %d calls to etcd, err %v", calls, err)
+		}
+	}
+	return got
+}
+
+// seriesCount is the number of source/reason series of the ranges counter.
+// (prometheus/testutil would need github.com/kylelemons/godebug in go.mod,
+// so the registry is read directly.)
+func seriesCount(t *testing.T, reg *prometheus.Registry) int {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, mf := range mfs {
+		if mf.GetName() == "etcd_snapcache_range_requests_total" {
+			n += len(mf.GetMetric())
+		}
+	}
+	return n
+}
+
+// counted reads the ranges counter of one source and reason without
+// creating the series.
+func counted(t *testing.T, reg *prometheus.Registry, src source, why reason) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			if labels["source"] == string(src) && labels["reason"] == string(why) {
+				return m.GetCounter().GetValue()
+			}
+		}
+	}
+	return 0
+}
+
+func dumpRanges(t *testing.T, reg *prometheus.Registry) string {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out string
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			out += m.String() + "\n"
+		}
+	}
+	return out
+}
+
+// allReasons are the reason constants of metrics.go, read from its source
+// so that a new reason without a row fails TestRouteCoversEveryReason.
+func allReasons(t *testing.T) []reason {
+	t.Helper()
+	f, err := parser.ParseFile(token.NewFileSet(), "metrics.go", nil, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []reason
+	for _, d := range f.Decls {
+		g, ok := d.(*ast.GenDecl)
+		if !ok || g.Tok != token.CONST {
+			continue
+		}
+		for _, spec := range g.Specs {
+			vs := spec.(*ast.ValueSpec)
+			if id, ok := vs.Type.(*ast.Ident); !ok || id.Name != "reason" {
+				continue
+			}
+			for _, v := range vs.Values {
+				lit, ok := v.(*ast.BasicLit)
+				if !ok || lit.Kind != token.STRING {
+					t.Fatalf("reason constant with a non-literal value %v", v)
+				}
+				s, err := strconv.Unquote(lit.Value)
+				if err != nil {
+					t.Fatal(err)
+				}
+				out = append(out, reason(s))
+			}
+		}
+	}
+	if len(out) == 0 {
+		t.Fatal("no reason constants found in metrics.go")
+	}
+	return out
+}
+
+// TestRouteCoversEveryReason: every reason constant of metrics.go has a row
+// in TestRoute.
+func TestRouteCoversEveryReason(t *testing.T) {
+	rows := map[reason]bool{}
+	for _, tc := range routeCases() {
+		rows[tc.reason] = true
+	}
+	for _, why := range allReasons(t) {
+		if !rows[why] {
+			t.Errorf("reason %q has no row in routeCases", why)
+		}
+	}
+}
+
+// TestRangeCountsEachRequestOnce: every row's request, through Range (or
+// RangeStream), is counted exactly once, with the source of its action and
+// its reason, and etcd is asked exactly when it is counted as forwarded.
+func TestRangeCountsEachRequestOnce(t *testing.T) {
+	for _, tc := range routeCases() {
+		t.Run(tc.name, func(t *testing.T) {
+			got := tc.runEntry(t)
+			if got.action != tc.action || got.reason != tc.reason {
+				t.Fatalf("counted as %v/%s, want %v/%s", got.action, got.reason, tc.action, tc.reason)
+			}
+			if tc.action == refuse && (!errors.Is(got.err, tc.err) || got.err.Error() != tc.err.Error()) {
+				t.Fatalf("refused with %v, want %v", got.err, tc.err)
+			}
+		})
+	}
+}
+
+// TestOverloadedForwardCountedOnceAsRejected: a read routed to etcd that
+// finds no forwarding slot is counted once, as rejected/overload, and not
+// also as forwarded; it never reaches etcd. Once the slot is free, the same
+// read is counted as forwarded.
+func TestOverloadedForwardCountedOnceAsRejected(t *testing.T) {
+	e := newRouteEnv(t)
+	e.cfg.MaxForwardedReads = 1
+	s := New(e.cfg)
+	s.forwards <- struct{}{} // the one slot is taken
+	ctx := metadata.NewIncomingContext(t.Context(), metadata.Pairs(rpctypes.TokenFieldNameGRPC, "token"))
+	tctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+	defer cancel()
+
+	if _, err := s.Range(tctx, serializable("a", 0)); !errors.Is(err, errOverload) {
+		t.Fatalf("Range with no slot: %v, want %v", err, errOverload)
+	}
+	if n := seriesCount(t, e.reg); n != 1 {
+		t.Fatalf("%d series after one overloaded read, want 1:\n%s", n, dumpRanges(t, e.reg))
+	}
+	if v := counted(t, e.reg, sourceRejected, reasonOverload); v != 1 {
+		t.Fatalf("rejected/overload = %v, want 1", v)
+	}
+	if v := counted(t, e.reg, sourceForwarded, reasonAuth); v != 0 {
+		t.Fatalf("forwarded/auth = %v after an overloaded read, want 0", v)
+	}
+	if c := e.upstream.calls(); c != 0 {
+		t.Fatalf("etcd was asked %d times, want 0", c)
+	}
+
+	<-s.forwards // the slot is freed
+	if _, err := s.Range(ctx, serializable("a", 0)); err != nil {
+		t.Fatalf("Range with a free slot: %v", err)
+	}
+	if v := counted(t, e.reg, sourceForwarded, reasonAuth); v != 1 {
+		t.Fatalf("forwarded/auth = %v, want 1", v)
+	}
+	if v := counted(t, e.reg, sourceRejected, reasonOverload); v != 1 {
+		t.Fatalf("rejected/overload = %v, want still 1", v)
+	}
+	if n := seriesCount(t, e.reg); n != 2 {
+		t.Fatalf("%d series after two reads, want 2:\n%s", n, dumpRanges(t, e.reg))
+	}
+	if len(s.forwards) != 0 {
+		t.Fatalf("%d forwarding slots still taken after the read, want 0", len(s.forwards))
+	}
+}
+
+// TestRangeNoLeaderRefusedBeforeValidation: etcd's unary and stream
+// interceptors refuse a request that requires a leader while there is none
+// (ErrGRPCNoLeader) before its handler validates the request, so an invalid
+// request then gets ErrGRPCNoLeader, not the validation error.
+func TestRangeNoLeaderRefusedBeforeValidation(t *testing.T) {
+	e := newRouteEnv(t)
+	e.follower.leaderLost = true
+	s := New(e.cfg)
+	ctx := metadata.NewIncomingContext(t.Context(), metadata.Pairs(rpctypes.MetadataRequireLeaderKey, rpctypes.MetadataHasLeader))
+
+	// A valid request: refused for the lost leader, as etcd.
+	if _, err := s.Range(ctx, key("a")); !errors.Is(err, rpctypes.ErrGRPCNoLeader) {
+		t.Fatalf("Range without a leader: %v, want %v", err, rpctypes.ErrGRPCNoLeader)
+	}
+	// An invalid one: etcd's interceptor answers before key.go validates.
+	for _, r := range []*pb.RangeRequest{
+		{}, // empty key
+		{Key: []byte("a"), SortOrder: 99},
+	} {
+		if _, err := s.Range(ctx, r); !errors.Is(err, rpctypes.ErrGRPCNoLeader) {
+			t.Errorf("Range(%v) without a leader: %v, want %v, as etcd's interceptor answers first", r, err, rpctypes.ErrGRPCNoLeader)
+		}
+		if err := s.RangeStream(r, &fakeRangeStreamServer{ctx: ctx}); !errors.Is(err, rpctypes.ErrGRPCNoLeader) {
+			t.Errorf("RangeStream(%v) without a leader: %v, want %v, as etcd's interceptor answers first", r, err, rpctypes.ErrGRPCNoLeader)
+		}
+	}
+	if c := e.upstream.calls(); c != 0 {
+		t.Fatalf("etcd was asked %d times, want 0", c)
+	}
+}
