@@ -91,8 +91,13 @@ func TestReadinessFollowsTheLoad(t *testing.T) {
 		t.Fatalf("/readyz = %d after the load, want 200", code)
 	}
 	testsupport.WaitFor(t, waitTimeout, "health SERVING", func() bool { return health() == healthpb.HealthCheckResponse_SERVING })
-	if _, body := get("/metrics"); !strings.Contains(body, "etcd_snapcache_cache_revision") {
-		t.Fatal("/metrics lacks etcd_snapcache_cache_revision")
+	// As grpc-proxy: the proxy's own metrics at /proxy/metrics, etcd's
+	// relayed at /metrics.
+	if _, body := get("/proxy/metrics"); !strings.Contains(body, "etcd_snapcache_cache_revision") {
+		t.Fatal("/proxy/metrics lacks etcd_snapcache_cache_revision")
+	}
+	if _, body := get("/metrics"); !strings.Contains(body, "etcd_server_has_leader") {
+		t.Fatal("/metrics lacks etcd's etcd_server_has_leader")
 	}
 }
 
@@ -169,7 +174,7 @@ func TestTLSBothWays(t *testing.T) {
 type testPKI struct{ ca, serverCert, serverKey, clientCert, clientKey string }
 
 // newTestPKI writes a CA, a server certificate for 127.0.0.1 and a client
-// certificate, all signed by the CA, into dir.
+// certificate with common name "client", all signed by the CA, into dir.
 func newTestPKI(t *testing.T, dir string) testPKI {
 	t.Helper()
 	caKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
@@ -190,12 +195,12 @@ func newTestPKI(t *testing.T, dir string) testPKI {
 		}
 		return path
 	}
-	leaf := func(name string, serial int64, usage x509.ExtKeyUsage) (string, string) {
+	leaf := func(name string, serial int64, usage ...x509.ExtKeyUsage) (string, string) {
 		key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 		tmpl := &x509.Certificate{
 			SerialNumber: big.NewInt(serial), Subject: pkix.Name{CommonName: name},
 			NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-			KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{usage},
+			KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: usage,
 			IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
 		}
 		der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
@@ -206,7 +211,9 @@ func newTestPKI(t *testing.T, dir string) testPKI {
 		return write(name+".crt", "CERTIFICATE", der), write(name+".key", "EC PRIVATE KEY", keyDER)
 	}
 	p := testPKI{ca: write("ca.crt", "CERTIFICATE", caDER)}
-	p.serverCert, p.serverKey = leaf("server", 2, x509.ExtKeyUsageServerAuth)
+	// As etcd's fixtures, the server certificate is a client certificate
+	// too: grpc-proxy and the proxy present it to themselves.
+	p.serverCert, p.serverKey = leaf("server", 2, x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth)
 	p.clientCert, p.clientKey = leaf("client", 3, x509.ExtKeyUsageClientAuth)
 	return p
 }

@@ -300,3 +300,37 @@ func TestWatchProgressNotifyPeriodic(t *testing.T) {
 		}
 	}
 }
+
+// TestWatchProgressNotifyFollowsEtcd: without an interval of its own, the
+// proxy sends periodic notifications at etcd's interval (etcd's e2e
+// TestWatchDelayForPeriodicProgressNotification runs etcd with a short
+// one), which it learns from an idle upstream watch: an idle
+// progress_notify watcher gets them as often as from etcd, and etcd serves
+// two upstream watches whatever the number of client watchers.
+func TestWatchProgressNotifyFollowsEtcd(t *testing.T) {
+	const interval = 200 * time.Millisecond
+	// etcd reads its interval when a watch stream starts: set it before
+	// the proxy opens its upstream watches.
+	v3rpc.SetProgressReportInterval(interval)
+	t.Cleanup(func() { v3rpc.SetProgressReportInterval(10 * time.Minute) })
+	c := newCluster(t, clusterOptions{})
+	w := etcdWriter{t, c.direct}
+	head := w.put("pf/idle", "0")
+	c.waitSynced(t)
+
+	pr := openStreamPair(t, c)
+	pr.create(&pb.WatchCreateRequest{Key: []byte("pf/idle"), ProgressNotify: true})
+	pr.waitCreated(1)
+	for _, s := range []*watchStream{pr.d, pr.p} {
+		log := s.waitUntil("three periodic notifications", func(l []*pb.WatchResponse) bool {
+			n := 0
+			for _, r := range l {
+				if isProgress(r) && r.WatchId == 0 && r.Header.Revision == head {
+					n++
+				}
+			}
+			return n >= 3
+		})
+		checkStream(t, s.name, log, s == pr.p)
+	}
+}

@@ -53,7 +53,9 @@ type Config struct {
 //   - compaction discovery (compactionProber);
 //   - what the upstream member reports of itself: header fields, head and
 //     release (upstreamState, versionTracker);
-//   - whether the upstream has a leader (leaderState).
+//   - whether the upstream has a leader (leaderState);
+//   - etcd's periodic progress interval, from an idle watch
+//     (progressTicker).
 type Follower struct {
 	cfg   Config
 	lg    *zap.Logger
@@ -69,6 +71,7 @@ type Follower struct {
 	requests   *progressRequests
 	probes     *headProbe
 	compaction *compactionProber
+	ticker     *progressTicker
 
 	ready     chan struct{} // closed once the first load has caught up
 	readyOnce sync.Once
@@ -108,6 +111,7 @@ func New(cfg Config) *Follower {
 	}
 	f.version = newVersionTracker(f.upstream, pb.NewMaintenanceClient(conn), f.lg)
 	f.probes = newHeadProbe(f.readHead)
+	f.ticker = &progressTicker{wc: f.wc, lg: f.lg}
 	f.compaction = newCompactionProber(f.store, f.kv, f.lg, cfg.CompactionProbeInterval, f.ObserveCompaction)
 	f.loading.Store(true)
 	f.m.bindStore(cfg.Store)
@@ -122,10 +126,14 @@ func (f *Follower) Run(ctx context.Context) error {
 	defer f.probes.stop()
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	wg.Add(2)
+	wg.Add(3)
 	go func() {
 		defer wg.Done()
 		f.compaction.run(ctx)
+	}()
+	go func() {
+		defer wg.Done()
+		f.ticker.run(ctx)
 	}()
 	go func() {
 		defer wg.Done()

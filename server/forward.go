@@ -46,30 +46,34 @@ func forwardStreamMetadata(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.
 	return streamer(withCallerMetadata(ctx), desc, cc, method, opts...)
 }
 
-// clusterServer forwards the Cluster service, except that MemberList names
-// the proxy as the only member, so clients that sync their endpoints from
-// the member list keep talking to the proxy.
+// clusterServer forwards the Cluster service, except MemberList, which
+// follows grpc-proxy: with an advertised client URL, it names the proxy as
+// the only member, so that clients that sync their endpoints from the
+// member list keep talking to the proxy; with none (an explicitly empty
+// --advertise-client-url), it is forwarded, as member management tooling
+// expects.
 type clusterServer struct {
 	pb.UnsafeClusterServer
 	upstream pb.ClusterClient
-	self     *pb.Member
+	self     *pb.Member // nil: MemberList is forwarded
 }
 
 var _ pb.ClusterServer = (*clusterServer)(nil)
 
 func newClusterServer(upstream pb.ClusterClient, name string, clientURLs []string) *clusterServer {
-	h := fnv.New64a()
-	h.Write([]byte(strings.Join(clientURLs, ",")))
-	return &clusterServer{
-		upstream: upstream,
-		self:     &pb.Member{ID: h.Sum64(), Name: name, ClientURLs: clientURLs},
+	c := &clusterServer{upstream: upstream}
+	if len(clientURLs) > 0 {
+		h := fnv.New64a()
+		h.Write([]byte(strings.Join(clientURLs, ",")))
+		c.self = &pb.Member{ID: h.Sum64(), Name: name, ClientURLs: clientURLs}
 	}
+	return c
 }
 
 func (c *clusterServer) MemberList(ctx context.Context, r *pb.MemberListRequest) (*pb.MemberListResponse, error) {
 	resp, err := c.upstream.MemberList(ctx, r)
-	if err != nil {
-		return nil, err
+	if err != nil || c.self == nil {
+		return resp, err
 	}
 	resp.Members = []*pb.Member{c.self}
 	return resp, nil

@@ -2,25 +2,23 @@ package server
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"math"
 	"net"
 	"net/http"
-	"os"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/backoff"
-	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-	"google.golang.org/grpc/keepalive"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/client/pkg/v3/transport"
@@ -34,39 +32,93 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
 )
 
-// etcd's gRPC server limits (server/embed/config.go, api/v3rpc/grpc.go).
+// etcd's gRPC server limits and defaults (server/embed/config.go,
+// api/v3rpc/grpc.go), and the proxy's own.
 const (
-	defaultMaxRequestBytes = 1.5 * 1024 * 1024
-	grpcOverheadBytes      = 512 * 1024
-	maxSendBytes           = math.MaxInt32
-	keepAliveMinTime       = 5 * time.Second
-	keepAliveInterval      = 2 * time.Hour
-	keepAliveTimeout       = 20 * time.Second
-	defaultDialTimeout     = 5 * time.Second
-	gracefulStopTimeout    = 10 * time.Second
-	defaultMemberName      = "etcd-snapcache"
-	upstreamKeepAliveTime  = 30 * time.Second
+	defaultMaxRequestBytes   = 1.5 * 1024 * 1024
+	grpcOverheadBytes        = 512 * 1024
+	maxSendBytes             = math.MaxInt32
+	defaultKeepAliveMinTime  = 5 * time.Second
+	defaultKeepAliveInterval = 2 * time.Hour
+	defaultKeepAliveTimeout  = 20 * time.Second
+	defaultDialTimeout       = 5 * time.Second
+	gracefulStopTimeout      = 10 * time.Second
+	defaultMemberName        = "etcd-snapcache"
+	// defaultDialKeepAliveTime: grpc-proxy pings etcd never by default;
+	// the proxy pings every 30 s, because a silently dead connection
+	// would leave its cache stale without any error.
+	defaultDialKeepAliveTime = 30 * time.Second
 )
 
-// Config configures a Server.
+// Metrics levels, etcd's --metrics.
+const (
+	MetricsBasic     = "basic"
+	MetricsExtensive = "extensive" // adds grpc_server_handling_seconds
+)
+
+// Config configures a Server. Durations and limits follow one rule: 0 is
+// the default, a negative value disables.
 type Config struct {
 	// Endpoints of the upstream etcd cluster, as host:port or URLs.
 	Endpoints []string
-	// ListenAddr is where the gRPC API is served (host:port; port 0 picks).
+	// EndpointsAutoSyncInterval makes the upstream client sync its
+	// endpoints from etcd's member list (0: never).
+	EndpointsAutoSyncInterval time.Duration
+	// ListenAddr is where the etcd API (gRPC) and the HTTP endpoints are
+	// served (host:port; port 0 picks).
 	ListenAddr string
-	// MetricsAddr is where /metrics, /livez and /readyz are served; empty
-	// disables the HTTP endpoint.
+	// MetricsAddr also serves the HTTP endpoints: a URL (http:// or
+	// https://, served with the serving TLS) or host:port; empty: none.
 	MetricsAddr string
-	// AdvertiseClientURLs are returned by MemberList; default: the listen
-	// address with the serving scheme.
+	// AdvertiseClientURLs are what MemberList returns as the proxy's
+	// client URLs. Nil defaults to the listen address with the serving
+	// scheme; with ForwardMemberList, MemberList is etcd's.
 	AdvertiseClientURLs []string
-	// ServerTLS secures the gRPC API when CertFile is set; a TrustedCAFile
-	// makes it require and verify client certificates.
+	ForwardMemberList   bool
+	// ResolverPrefix and ResolverTTL register the proxy under the prefix in
+	// etcd, with a lease of that TTL (seconds), and make MemberList list
+	// the proxies registered there, as grpc-proxy's --resolver-prefix.
+	ResolverPrefix string
+	ResolverTTL    int
+	// ServerTLS secures the client port when CertFile is set (with
+	// CRLFile, CipherSuites and the TLS versions); a TrustedCAFile makes it
+	// require and verify client certificates.
 	ServerTLS transport.TLSInfo
-	// UpstreamTLS secures the connection to etcd when any file is set.
-	UpstreamTLS transport.TLSInfo
+	// AutoTLS serves TLS with a self-signed certificate, kept under
+	// DataDir, when ServerTLS has none; SelfSignedCertValidity is its
+	// validity in years (1 if 0).
+	AutoTLS                bool
+	DataDir                string
+	SelfSignedCertValidity uint
+	// UpstreamTLS secures the connection to etcd when any file is set;
+	// InsecureSkipTLSVerify skips verifying etcd's certificate.
+	UpstreamTLS           transport.TLSInfo
+	InsecureSkipTLSVerify bool
 	// DialTimeout bounds the first connection to etcd.
 	DialTimeout time.Duration
+	// DialKeepAliveTime and DialKeepAliveTimeout are the upstream
+	// connection's keepalive pings (defaults 30 s and 20 s);
+	// PermitWithoutStream pings without open streams too.
+	DialKeepAliveTime, DialKeepAliveTimeout time.Duration
+	PermitWithoutStream                     bool
+	// MaxSendBytes and MaxRecvBytes bound the messages sent to and received
+	// from etcd (default: unlimited, so that etcd judges request sizes).
+	MaxSendBytes, MaxRecvBytes int
+	// MaxConcurrentStreams bounds each client connection's streams
+	// (default: unlimited, as etcd).
+	MaxConcurrentStreams uint32
+	// GRPCKeepAliveMinTime, GRPCKeepAliveInterval and GRPCKeepAliveTimeout
+	// are the client port's keepalive policy (etcd's 5 s, 2 h, 20 s).
+	GRPCKeepAliveMinTime, GRPCKeepAliveInterval, GRPCKeepAliveTimeout time.Duration
+	// EnablePprof serves /debug/pprof/ on the client port.
+	EnablePprof bool
+	// EnableGRPCLogging logs every request and response.
+	EnableGRPCLogging bool
+	// Metrics is MetricsBasic (default) or MetricsExtensive.
+	Metrics string
+	// GRPCServerOptions are added to the gRPC server's options (tests use
+	// them to add interceptors).
+	GRPCServerOptions []grpc.ServerOption
 
 	// BTreeDegree of the key trees (revtree.DefaultDegree if 0).
 	BTreeDegree int
@@ -98,64 +150,114 @@ type Config struct {
 	// largest request accepted (plus gRPC overhead, as etcd) and the size
 	// at which fragmenting watchers' responses are split. Default 1.5 MiB.
 	MaxRequestBytes int
-	// WatchProgressNotifyInterval is the interval of periodic progress
-	// notifications to idle progress_notify watchers (etcd's default if 0).
+	// WatchProgressNotifyInterval, if set, is the interval of periodic
+	// progress notifications to idle progress_notify watchers; if 0 they
+	// follow etcd's own interval.
 	WatchProgressNotifyInterval time.Duration
 
 	Logger *zap.Logger
+}
+
+// withDefaults fills in the defaults of zero fields, and turns negative
+// ones (disabled) into the zero their consumers read as disabled.
+func (cfg Config) withDefaults() Config {
+	orDefault := func(d *time.Duration, def time.Duration) {
+		switch {
+		case *d == 0:
+			*d = def
+		case *d < 0:
+			*d = 0
+		}
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	orDefault(&cfg.DialTimeout, defaultDialTimeout)
+	orDefault(&cfg.DialKeepAliveTime, defaultDialKeepAliveTime)
+	orDefault(&cfg.DialKeepAliveTimeout, defaultKeepAliveTimeout)
+	orDefault(&cfg.GRPCKeepAliveMinTime, defaultKeepAliveMinTime)
+	orDefault(&cfg.GRPCKeepAliveInterval, defaultKeepAliveInterval)
+	orDefault(&cfg.GRPCKeepAliveTimeout, defaultKeepAliveTimeout)
+	if cfg.MaxRequestBytes <= 0 {
+		cfg.MaxRequestBytes = defaultMaxRequestBytes
+	}
+	if cfg.MaxSendBytes <= 0 {
+		cfg.MaxSendBytes = math.MaxInt32
+	}
+	if cfg.MaxRecvBytes <= 0 {
+		cfg.MaxRecvBytes = defaultMaxRecvBytes
+	}
+	if cfg.MaxConcurrentStreams == 0 {
+		cfg.MaxConcurrentStreams = math.MaxUint32
+	}
+	if cfg.SelfSignedCertValidity == 0 {
+		cfg.SelfSignedCertValidity = 1
+	}
+	if cfg.Metrics == "" {
+		cfg.Metrics = MetricsBasic
+	}
+	return cfg
 }
 
 // Server is a running etcd-snapcache.
 type Server struct {
 	cfg      Config
 	lg       *zap.Logger
-	client   *clientv3.Client
+	tls      *transport.TLSInfo // the client port's TLS; nil: plaintext
+	client   *clientv3.Client   // of the upstream etcd
+	self     *clientv3.Client   // of the proxy's own API, for /proxy/health
 	store    *revtree.Store
 	follower *progress.Follower
 	registry *prometheus.Registry
 
-	grpcServer *grpc.Server
-	grpcLis    net.Listener
-	httpServer *http.Server
-	httpLis    net.Listener
-	health     *health.Server
-	checker    *hashcheck.Checker
-	keepAlives *keepAlives
-	watch      *watchproxy.Server
+	grpcServer  *grpc.Server
+	clientLis   net.Listener // gRPC and HTTP
+	clientHTTP  *http.Server
+	metricsLis  net.Listener // nil without MetricsAddr
+	metricsHTTP *http.Server
+	health      *health.Server
+	checker     *hashcheck.Checker
+	keepAlives  *keepAlives
+	watch       *watchproxy.Server
+	// clientDone are closed when goroutines of etcd's grpcproxy that live
+	// as long as the upstream client end, after it is closed.
+	clientDone []<-chan struct{}
 
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
-	errc   chan error
-	once   sync.Once
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup // every goroutine the server starts
+	errc     chan error
+	stopping atomic.Bool
+	once     sync.Once
 }
 
 // Start dials etcd, starts following it and serves until Stop. It returns
 // once the listeners are bound; the cache loads in the background.
 func Start(cfg Config) (*Server, error) {
-	if cfg.Logger == nil {
-		cfg.Logger = zap.NewNop()
-	}
-	if cfg.DialTimeout <= 0 {
-		cfg.DialTimeout = defaultDialTimeout
-	}
-	if cfg.MaxRequestBytes <= 0 {
-		cfg.MaxRequestBytes = defaultMaxRequestBytes
-	}
+	cfg = cfg.withDefaults()
 	if len(cfg.Endpoints) == 0 {
 		return nil, errors.New("no upstream etcd endpoints")
 	}
-	s := &Server{cfg: cfg, lg: cfg.Logger, errc: make(chan error, 3), registry: prometheus.NewRegistry()}
+	s := &Server{cfg: cfg, lg: cfg.Logger, errc: make(chan error, 4), registry: prometheus.NewRegistry()}
 	s.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-
-	client, err := s.dialUpstream()
-	if err != nil {
+	var err error
+	if s.tls, err = s.servingTLS(); err != nil {
 		return nil, err
 	}
-	s.client = client
+	clientMetrics := grpcprom.NewClientMetrics()
+	s.registry.MustRegister(clientMetrics)
+	if s.client, err = s.dialUpstream(clientMetrics); err != nil {
+		return nil, err
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			s.closeAll()
+		}
+	}()
 
 	s.store = revtree.New(cfg.BTreeDegree)
 	s.follower = progress.New(progress.Config{
-		Client:                  client,
+		Client:                  s.client,
 		Store:                   s.store,
 		Logger:                  s.lg.Named("follower"),
 		Metrics:                 progress.NewMetrics(s.registry),
@@ -164,235 +266,163 @@ func Start(cfg Config) (*Server, error) {
 		LoadRetainedHistory:     cfg.LoadRetainedHistory,
 		BeforeLoadPage:          cfg.BeforeLoadPage,
 	})
-
 	s.checker = hashcheck.New(hashcheck.Config{
 		Store:      s.store,
 		Follower:   s.follower,
-		Upstream:   pb.NewKVClient(client.ActiveConnection()),
+		Upstream:   pb.NewKVClient(s.client.ActiveConnection()),
 		Interval:   cfg.ConsistencyCheckInterval,
 		Logger:     s.lg.Named("hashcheck"),
 		Registerer: s.registry,
 	})
+	s.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "etcd_snapcache_ready",
+		Help: "1 while the cache answers for etcd (loaded, not reloading), as /readyz reports.",
+	}, func() float64 { return boolGauge(s.follower.Serving()) }), prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "etcd_snapcache_upstream_watch_connected",
+		Help: "1 while the upstream watch that feeds the cache is established.",
+	}, func() float64 { return boolGauge(s.follower.Following()) }))
 
-	if err := s.listen(); err != nil {
-		client.Close()
-		return nil, err
+	if s.clientLis, err = net.Listen("tcp", cfg.ListenAddr); err != nil {
+		return nil, fmt.Errorf("--listen-addr %s: %w", cfg.ListenAddr, err)
+	}
+	if cfg.MetricsAddr != "" {
+		if s.metricsLis, err = listenMetrics(cfg.MetricsAddr, s.tls); err != nil {
+			return nil, err
+		}
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s.cancel = cancel
-	s.grpcServer, err = s.newGRPCServer(ctx)
-	if err != nil {
-		cancel()
-		s.closeListeners()
-		client.Close()
+	if s.grpcServer, err = s.newGRPCServer(ctx); err != nil {
 		return nil, err
 	}
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		s.keepAlives.run()
-	}()
-	if cfg.ConsistencyCheckInterval >= 0 {
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			s.checker.Run(ctx)
-		}()
+	if cfg.ResolverPrefix != "" {
+		if urls := s.advertiseURLs(); len(urls) > 0 {
+			s.clientDone = append(s.clientDone, grpcproxy.Register(s.lg.Named("resolver"), s.client, cfg.ResolverPrefix, urls[0], cfg.ResolverTTL))
+		}
 	}
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		s.follower.Run(ctx)
-	}()
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
+	if s.self, err = s.dialSelf(); err != nil {
+		return nil, err
+	}
+	endpoints, err := s.newHTTPEndpoints()
+	if err != nil {
+		return nil, err
+	}
+	if err := s.serveClientPort(s.grpcServer, newHTTPMux(endpoints, cfg.EnablePprof)); err != nil {
+		return nil, err
+	}
+	if s.metricsLis != nil {
+		s.metricsHTTP = s.newHTTPServer(newHTTPMux(endpoints, false))
+		s.serve("metrics", func() error { return s.metricsHTTP.Serve(s.metricsLis) })
+	}
+	s.run(func() { s.keepAlives.run() })
+	if cfg.ConsistencyCheckInterval >= 0 {
+		s.run(func() { s.checker.Run(ctx) })
+	}
+	s.run(func() { s.follower.Run(ctx) })
+	s.run(func() {
 		select {
 		case <-s.follower.Ready():
 			s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 		case <-ctx.Done():
 		}
-	}()
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		if err := s.grpcServer.Serve(s.grpcLis); err != nil {
-			s.errc <- fmt.Errorf("serving gRPC: %w", err)
-		}
-	}()
-	if s.httpLis != nil {
-		s.httpServer = &http.Server{
-			Handler:           newHTTPHandler(s.registry, s.follower.Serving),
-			ReadHeaderTimeout: 10 * time.Second,
-		}
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			if err := s.httpServer.Serve(s.httpLis); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				s.errc <- fmt.Errorf("serving metrics: %w", err)
-			}
-		}()
-	}
-	s.lg.Info("serving the etcd API",
-		zap.String("listen-addr", s.grpcLis.Addr().String()),
+	})
+	ok = true
+	// grpc-proxy's words: tooling (etcd's e2e framework) waits for them.
+	s.lg.Info("started gRPC proxy",
+		zap.String("listen-addr", s.clientLis.Addr().String()),
+		zap.Bool("tls", s.tls != nil),
+		zap.String("metrics-addr", s.MetricsAddr()),
 		zap.Strings("upstream", cfg.Endpoints),
 		zap.Strings("advertise-client-urls", s.advertiseURLs()))
 	return s, nil
 }
 
-func (s *Server) dialUpstream() (*clientv3.Client, error) {
-	tlsCfg, err := ClientTLSConfig(s.cfg.UpstreamTLS)
-	if err != nil {
-		return nil, fmt.Errorf("upstream TLS: %w", err)
+func boolGauge(b bool) float64 {
+	if b {
+		return 1
 	}
-	client, err := clientv3.New(clientv3.Config{
-		Endpoints:            s.cfg.Endpoints,
-		DialTimeout:          s.cfg.DialTimeout,
-		DialKeepAliveTime:    upstreamKeepAliveTime,
-		DialKeepAliveTimeout: keepAliveTimeout,
-		TLS:                  tlsCfg,
-		Logger:               s.lg.Named("upstream"),
-		DialOptions: []grpc.DialOption{
-			// Responses from etcd may be as large as etcd sends (a catch-up
-			// watch response batches many revisions; a forwarded Range may
-			// be any size). clientv3's MaxCallRecvMsgSize applies only to
-			// its own wrappers, not to the raw stubs used here, so the
-			// limit is set on the connection.
-			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxSendBytes)),
-			// Reconnect within about a second of etcd coming back, even
-			// after a long outage (grpc-go's default backoff reaches 120 s,
-			// and a 5 s cap still left the proxy 3-4 s behind a restarted
-			// etcd): while disconnected the cache is stale.
-			grpc.WithConnectParams(grpc.ConnectParams{
-				Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second},
-				MinConnectTimeout: defaultDialTimeout,
-			}),
-			grpc.WithChainUnaryInterceptor(forwardUnaryMetadata),
-			grpc.WithChainStreamInterceptor(forwardStreamMetadata),
-		},
-	})
-	if err != nil {
-		return nil, fmt.Errorf("connecting to etcd %v: %w", s.cfg.Endpoints, err)
-	}
-	return client, nil
+	return 0
 }
 
-// ClientTLSConfig is the TLS configuration of a client of etcd from
-// etcdctl's --cert, --key and --cacert: nil when none is set. As in
-// clientv3, TLS is then used for https:// endpoints only, and with a
-// configuration for bare host:port endpoints too.
-func ClientTLSConfig(info transport.TLSInfo) (*tls.Config, error) {
-	if info.Empty() && info.TrustedCAFile == "" {
-		return nil, nil
-	}
-	return info.ClientConfig()
+// run runs fn on a goroutine the server owns.
+func (s *Server) run(fn func()) {
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		fn()
+	}()
 }
 
-func (s *Server) listen() error {
-	lis, err := net.Listen("tcp", s.cfg.ListenAddr)
-	if err != nil {
-		return fmt.Errorf("listening on %s: %w", s.cfg.ListenAddr, err)
+// dialSelf returns a client of the proxy's own API, as grpc-proxy dials
+// itself for /proxy/health: over the serving TLS, with the serving
+// certificate as its client certificate.
+func (s *Server) dialSelf() (*clientv3.Client, error) {
+	addr := s.clientLis.Addr().(*net.TCPAddr)
+	host := addr.IP.String()
+	if addr.IP.IsUnspecified() {
+		host = "127.0.0.1"
 	}
-	s.grpcLis = lis
-	if s.cfg.MetricsAddr != "" {
-		if s.httpLis, err = net.Listen("tcp", s.cfg.MetricsAddr); err != nil {
-			lis.Close()
-			return fmt.Errorf("listening on %s: %w", s.cfg.MetricsAddr, err)
-		}
-	}
-	return nil
-}
-
-func (s *Server) closeListeners() {
-	s.grpcLis.Close()
-	if s.httpLis != nil {
-		s.httpLis.Close()
-	}
-}
-
-func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
-	opts := []grpc.ServerOption{
-		grpc.MaxRecvMsgSize(s.cfg.MaxRequestBytes + grpcOverheadBytes),
-		grpc.MaxSendMsgSize(maxSendBytes),
-		grpc.MaxConcurrentStreams(math.MaxUint32),
-		// As etcd: clients ping every 30 s on open streams, which a
-		// minimum of 5 s allows; grpc-go's default would GOAWAY them.
-		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: keepAliveMinTime}),
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: keepAliveInterval, Timeout: keepAliveTimeout}),
-	}
-	if s.cfg.ServerTLS.CertFile != "" {
-		info := s.cfg.ServerTLS
-		info.ClientCertAuth = info.TrustedCAFile != ""
-		tlsCfg, err := info.ServerConfig()
+	scheme := "http"
+	cfg := clientv3.Config{DialTimeout: defaultDialTimeout, Logger: s.lg.Named("self")}
+	if s.tls != nil {
+		scheme = "https"
+		tlsCfg, err := s.tls.ClientConfig()
 		if err != nil {
-			return nil, fmt.Errorf("serving TLS: %w", err)
+			return nil, fmt.Errorf("serving TLS as a client of the proxy: %w", err)
 		}
-		opts = append(opts, grpc.Creds(credentials.NewTLS(tlsCfg)))
+		cfg.TLS = tlsCfg
 	}
-	gs := grpc.NewServer(opts...)
-	conn := s.client.ActiveConnection()
-	pb.RegisterKVServer(gs, kvproxy.New(kvproxy.Config{
-		Store:             s.store,
-		Follower:          s.follower,
-		Upstream:          pb.NewKVClient(conn),
-		Logger:            s.lg.Named("kv"),
-		Metrics:           kvproxy.NewMetrics(s.registry),
-		RevisionWait:      s.cfg.RevisionWait,
-		FreshnessTimeout:  s.cfg.FreshnessTimeout,
-		MaxForwardedReads: s.cfg.MaxForwardedReads,
-		Inconsistent:      s.checker.Fallback,
-
-		ConsistentReadFallback: s.cfg.ConsistentReadFallback,
-	}))
-	s.watch = watchproxy.New(watchproxy.Config{
-		Store:                  s.store,
-		Follower:               s.follower,
-		Upstream:               pb.NewWatchClient(conn),
-		ProgressNotifyInterval: s.cfg.WatchProgressNotifyInterval,
-		FragmentBytes:          s.cfg.MaxRequestBytes + grpcOverheadBytes,
-		Inconsistent:           s.checker.Fallback,
-		Logger:                 s.lg.Named("watch"),
-		Metrics:                watchproxy.NewMetrics(s.registry),
-	})
-	pb.RegisterWatchServer(gs, s.watch)
-	s.keepAlives = newKeepAlives(ctx, pb.NewLeaseClient(conn), s.lg.Named("lease"))
-	pb.RegisterLeaseServer(gs, &leaseServer{upstream: pb.NewLeaseClient(conn), ka: s.keepAlives})
-	pb.RegisterClusterServer(gs, newClusterServer(pb.NewClusterClient(conn), memberName(), s.advertiseURLs()))
-	pb.RegisterMaintenanceServer(gs, grpcproxy.NewMaintenanceProxy(s.client))
-	pb.RegisterAuthServer(gs, grpcproxy.NewAuthProxy(s.client))
-	s.health = health.NewServer()
-	s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
-	healthpb.RegisterHealthServer(gs, s.health)
-	return gs, nil
+	cfg.Endpoints = []string{scheme + "://" + net.JoinHostPort(host, strconv.Itoa(addr.Port))}
+	return clientv3.New(cfg)
 }
 
-func memberName() string {
-	if h, err := os.Hostname(); err == nil && h != "" {
-		return defaultMemberName + "-" + h
+func (s *Server) newHTTPEndpoints() (httpEndpoints, error) {
+	tlsCfg, err := ClientTLSConfig(s.cfg.UpstreamTLS, s.cfg.InsecureSkipTLSVerify)
+	if err != nil {
+		return httpEndpoints{}, fmt.Errorf("upstream TLS: %w", err)
 	}
-	return defaultMemberName
+	return httpEndpoints{
+		lg:           s.lg.Named("http"),
+		gatherer:     s.registry,
+		upstream:     s.client,
+		upstreamHTTP: &http.Client{Transport: &http.Transport{TLSClientConfig: tlsCfg}, Timeout: 10 * time.Second},
+		upstreamEPs:  s.client.Endpoints(),
+		self:         s.self,
+		probes: &probes{
+			livez: []probeCheck{{"ping", func() error { return nil }}},
+			readyz: []probeCheck{{"cache", func() error {
+				if !s.follower.Serving() {
+					return errors.New("the cache is loading")
+				}
+				return nil
+			}}},
+		},
+	}, nil
 }
 
 func (s *Server) advertiseURLs() []string {
-	if len(s.cfg.AdvertiseClientURLs) > 0 {
+	switch {
+	case s.cfg.ForwardMemberList:
+		return nil
+	case len(s.cfg.AdvertiseClientURLs) > 0:
 		return s.cfg.AdvertiseClientURLs
 	}
 	scheme := "http"
-	if s.cfg.ServerTLS.CertFile != "" {
+	if s.tls != nil {
 		scheme = "https"
 	}
-	return []string{scheme + "://" + s.grpcLis.Addr().String()}
+	return []string{scheme + "://" + s.clientLis.Addr().String()}
 }
 
 // Addr is the address the gRPC API is served on.
-func (s *Server) Addr() string { return s.grpcLis.Addr().String() }
+func (s *Server) Addr() string { return s.clientLis.Addr().String() }
 
-// MetricsAddr is the address of the HTTP endpoint, or "" if disabled.
+// MetricsAddr is the address of the metrics listener, or "" if none.
 func (s *Server) MetricsAddr() string {
-	if s.httpLis == nil {
+	if s.metricsLis == nil {
 		return ""
 	}
-	return s.httpLis.Addr().String()
+	return s.metricsLis.Addr().String()
 }
 
 // Store is the cache, for tests and the consistency checker.
@@ -417,6 +447,7 @@ func (s *Server) Err() <-chan error { return s.errc }
 // cut. It waits for every goroutine the server started.
 func (s *Server) Stop() {
 	s.once.Do(func() {
+		s.stopping.Store(true)
 		s.health.Shutdown()
 		s.watch.Close() // watch streams never end on their own
 		stopped := make(chan struct{})
@@ -432,13 +463,37 @@ func (s *Server) Stop() {
 			s.grpcServer.Stop()
 			<-stopped
 		}
-		if s.httpServer != nil {
-			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-			s.httpServer.Shutdown(ctx)
-			cancel()
-		}
-		s.cancel()
-		s.wg.Wait()
-		s.client.Close()
+		s.closeAll()
 	})
+}
+
+// closeAll stops what is left after the gRPC server: the HTTP servers, the
+// listeners, the goroutines, and the clients.
+func (s *Server) closeAll() {
+	s.stopping.Store(true)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	for _, h := range []*http.Server{s.clientHTTP, s.metricsHTTP} {
+		if h != nil {
+			if h.Shutdown(ctx) != nil {
+				h.Close()
+			}
+		}
+	}
+	for _, l := range []net.Listener{s.clientLis, s.metricsLis} {
+		if l != nil {
+			l.Close()
+		}
+	}
+	if s.cancel != nil {
+		s.cancel()
+	}
+	s.wg.Wait()
+	if s.self != nil {
+		s.self.Close()
+	}
+	s.client.Close()
+	for _, done := range s.clientDone {
+		<-done
+	}
 }

@@ -86,6 +86,8 @@ func (f *fakeFollower) FillHeader(h *pb.ResponseHeader) {
 
 func (f *fakeFollower) LeaderLost() (bool, <-chan struct{}) { return false, nil }
 
+func (f *fakeFollower) PeriodicProgress() <-chan struct{} { return nil }
+
 // fakeStream is a client's watch stream: the test sends requests through
 // reqs and reads responses from out. Send can be made to block until
 // released, as a client that does not read.

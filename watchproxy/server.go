@@ -43,6 +43,9 @@ type Follower interface {
 	// LeaderLost reports whether etcd has no leader, and a channel closed
 	// when it next loses it.
 	LeaderLost() (bool, <-chan struct{})
+	// PeriodicProgress returns a channel closed at etcd's next periodic
+	// progress notification.
+	PeriodicProgress() <-chan struct{}
 }
 
 // Store is what the Watch service reads of the cache's event history
@@ -61,7 +64,10 @@ type Config struct {
 	// Upstream is etcd's Watch service: for catching watchers up from
 	// etcd's history, and for relaying streams that carry an auth token.
 	Upstream pb.WatchClient
-	// ProgressNotifyInterval of periodic progress notifications.
+	// ProgressNotifyInterval, if set, is the interval of periodic progress
+	// notifications. If 0, they follow etcd's own (Follower.PeriodicProgress),
+	// with DefaultProgressNotifyInterval as the fallback while etcd sends
+	// none.
 	ProgressNotifyInterval time.Duration
 	// FragmentBytes is where etcd splits a fragmenting watcher's
 	// responses: its --max-request-bytes plus 512 KiB.
@@ -82,6 +88,7 @@ type Server struct {
 	upstream     pb.WatchClient
 	inconsistent func() bool
 	interval     time.Duration
+	followEtcd   bool // periodic progress ticks with etcd's (interval is then the fallback)
 	maxBytes     int
 	lg           *zap.Logger
 	m            *Metrics
@@ -99,7 +106,8 @@ func New(cfg Config) *Server {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
-	if cfg.ProgressNotifyInterval <= 0 {
+	followEtcd := cfg.ProgressNotifyInterval <= 0
+	if followEtcd {
 		cfg.ProgressNotifyInterval = DefaultProgressNotifyInterval
 	}
 	if cfg.FragmentBytes <= 0 {
@@ -114,6 +122,7 @@ func New(cfg Config) *Server {
 		upstream:     cfg.Upstream,
 		inconsistent: cfg.Inconsistent,
 		interval:     cfg.ProgressNotifyInterval,
+		followEtcd:   followEtcd,
 		maxBytes:     cfg.FragmentBytes,
 		lg:           cfg.Logger,
 		m:            cfg.Metrics,

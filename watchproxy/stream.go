@@ -103,6 +103,10 @@ func (st *stream) run() error {
 	defer ticker.Stop()
 	for {
 		changed := st.s.follower.Changed()
+		var etcdTick <-chan struct{}
+		if st.s.followEtcd {
+			etcdTick = st.s.follower.PeriodicProgress()
+		}
 		more, err := st.deliver()
 		if err != nil {
 			return err
@@ -123,6 +127,10 @@ func (st *stream) run() error {
 		case b := <-st.catchupc:
 			err = st.onCatchup(b)
 		case <-ticker.C:
+			err = st.periodicProgress()
+		case <-etcdTick:
+			// etcd's own tick; the ticker stays the fallback.
+			ticker.Reset(st.s.progressInterval())
 			err = st.periodicProgress()
 		case <-changed:
 		case <-proceed:

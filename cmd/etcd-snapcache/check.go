@@ -71,7 +71,7 @@ func check(c *cli.Context) error {
 }
 
 func dial(endpoints []string, info transport.TLSInfo) (*clientv3.Client, error) {
-	tlsCfg, err := server.ClientTLSConfig(info)
+	tlsCfg, err := server.ClientTLSConfig(info, false)
 	if err != nil {
 		return nil, err
 	}

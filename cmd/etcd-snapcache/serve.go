@@ -1,15 +1,24 @@
 package main
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
+	"math"
+	"net"
+	"net/url"
+	"os"
 	"os/signal"
+	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/urfave/cli/v2"
 	"go.uber.org/zap"
 
+	"go.etcd.io/etcd/client/pkg/v3/srv"
+	"go.etcd.io/etcd/client/pkg/v3/tlsutil"
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
@@ -21,40 +30,81 @@ import (
 )
 
 const (
-	catUpstream = "Upstream etcd"
-	catServing  = "Serving"
-	catEmbedded = "Embedded etcd (when --endpoints is not set)"
+	catUpstream = "Upstream etcd (grpc-proxy's flags)"
+	catServing  = "Serving (grpc-proxy's flags)"
+	catIgnored  = "grpc-proxy flags accepted for compatibility"
+	catEmbedded = "Embedded etcd (when --endpoints is not given)"
 	catCache    = "Cache"
 )
 
+// serveCommand takes every flag of `etcd grpc-proxy start`, with its name,
+// forms and meaning, so that a grpc-proxy command line works unchanged.
 func serveCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "serve",
 		Usage: "serve the etcd v3 API in front of an etcd cluster (or of an embedded etcd)",
-		Description: "Without --endpoints, serve starts an etcd inside the process, with its data in\n" +
-			"--data-dir, and serves in front of it: a complete single-node setup.",
+		Description: "serve takes the flags of `etcd grpc-proxy start`. Without --endpoints, it starts an\n" +
+			"etcd inside the process, with its data in --data-dir, and serves in front of it:\n" +
+			"a complete single-node setup for development.",
 		Flags: []cli.Flag{
 			&cli.StringSliceFlag{Name: "endpoints", Category: catUpstream, EnvVars: []string{"ETCD_SNAPCACHE_ENDPOINTS"},
-				Usage: "upstream etcd client endpoints, host:port or http(s)://host:port, comma-separated; empty starts an embedded etcd"},
+				Usage: "upstream etcd client endpoints, host:port or http(s)://host:port, comma-separated; not given: an embedded etcd"},
+			&cli.DurationFlag{Name: "endpoints-auto-sync-interval", Category: catUpstream,
+				Usage: "sync the upstream endpoints from etcd's member list at this interval (0 disables)"},
+			&cli.StringFlag{Name: "discovery-srv", Category: catUpstream, Usage: "domain name to query for SRV records describing the cluster's endpoints"},
+			&cli.StringFlag{Name: "discovery-srv-name", Category: catUpstream, Usage: "service name to query when using DNS discovery"},
+			&cli.BoolFlag{Name: "insecure-discovery", Category: catUpstream, Usage: "accept SRV records without validating the endpoints' TLS"},
 			&cli.StringFlag{Name: "cacert", Category: catUpstream, Usage: "verify the upstream's certificate with this CA bundle"},
-			&cli.StringFlag{Name: "cert", Category: catUpstream, Usage: "client certificate for the upstream"},
+			&cli.StringFlag{Name: "cert", Category: catUpstream, Usage: "client certificate for the upstream (a common name is allowed)"},
 			&cli.StringFlag{Name: "key", Category: catUpstream, Usage: "client key for the upstream"},
+			&cli.BoolFlag{Name: "insecure-skip-tls-verify", Category: catUpstream, Usage: "skip verifying the upstream's TLS certificate (testing only)"},
 			&cli.DurationFlag{Name: "dial-timeout", Category: catUpstream, Value: 5 * time.Second, Usage: "timeout of the first connection to the upstream"},
+			&cli.DurationFlag{Name: "dial-keepalive-time", Category: catUpstream, Value: 30 * time.Second,
+				Usage: "keepalive ping interval of the upstream connection (0 disables; grpc-proxy's default is 0, the proxy's 30s keeps a dead connection from leaving the cache stale)"},
+			&cli.DurationFlag{Name: "dial-keepalive-timeout", Category: catUpstream, Value: 20 * time.Second, Usage: "keepalive timeout of the upstream connection"},
+			&cli.BoolFlag{Name: "permit-without-stream", Category: catUpstream, Usage: "send keepalive pings to the upstream even without open streams"},
+			&cli.IntFlag{Name: "max-send-bytes", Category: catUpstream, Value: math.MaxInt32,
+				Usage: "largest message sent to the upstream (grpc-proxy's default is 1.5 MiB; unlimited lets etcd judge and answer request sizes itself)"},
+			&cli.IntFlag{Name: "max-recv-bytes", Category: catUpstream, Value: math.MaxInt32, Usage: "largest message received from the upstream"},
 
-			&cli.StringFlag{Name: "listen-addr", Category: catServing, Value: "127.0.0.1:23790", Usage: "address to serve the etcd gRPC API on"},
-			&cli.StringFlag{Name: "metrics-addr", Category: catServing, Value: "127.0.0.1:23791", Usage: "address to serve /metrics, /livez and /readyz on; empty disables"},
+			&cli.StringFlag{Name: "listen-addr", Category: catServing, Value: "127.0.0.1:23790", Usage: "address to serve the etcd API and the HTTP endpoints on"},
 			&cli.StringSliceFlag{Name: "advertise-client-url", Category: catServing,
-				Usage: "client URL(s) MemberList returns for the proxy (default: the listen address)"},
+				Usage: "client URL MemberList returns for the proxy (default: the listen address); explicitly empty: MemberList is etcd's"},
+			&cli.StringFlag{Name: "metrics-addr", Category: catServing,
+				Usage: "also serve the HTTP endpoints here: http://host:port, https://host:port (with the serving TLS) or host:port; empty: not"},
+			&cli.StringFlag{Name: "metrics", Category: catServing, Value: server.MetricsBasic,
+				Usage: "'basic' or 'extensive' (adds grpc_server_handling_seconds), as etcd's --metrics"},
 			&cli.StringFlag{Name: "cert-file", Category: catServing, Usage: "serve TLS with this certificate"},
 			&cli.StringFlag{Name: "key-file", Category: catServing, Usage: "key of --cert-file"},
 			&cli.StringFlag{Name: "trusted-ca-file", Category: catServing, Usage: "require client certificates signed by this CA"},
+			&cli.StringFlag{Name: "client-crl-file", Category: catServing, Usage: "refuse client certificates this revocation list revokes (with serving TLS; ignored without, as grpc-proxy)"},
+			&cli.BoolFlag{Name: "auto-tls", Category: catServing, Usage: "serve TLS with a generated self-signed certificate, kept in --data-dir"},
+			&cli.UintFlag{Name: "self-signed-cert-validity", Category: catServing, Value: 1, Usage: "validity of the --auto-tls certificate, in years"},
+			&cli.StringSliceFlag{Name: "listen-cipher-suites", Category: catServing, Usage: "TLS cipher suites served (empty: Go's)"},
+			&cli.StringFlag{Name: "tls-min-version", Category: catServing, Value: string(tlsutil.TLSVersion12), Usage: "minimum TLS version served: TLS1.2 or TLS1.3"},
+			&cli.StringFlag{Name: "tls-max-version", Category: catServing, Value: string(tlsutil.TLSVersionDefault), Usage: "maximum TLS version served: TLS1.2 or TLS1.3 (empty: Go's)"},
+			&cli.UintFlag{Name: "max-concurrent-streams", Category: catServing, Value: math.MaxUint32, Usage: "most concurrent streams of one client connection"},
+			&cli.DurationFlag{Name: "grpc-keepalive-min-time", Category: catServing, Value: 5 * time.Second, Usage: "least interval a client may ping at"},
+			&cli.DurationFlag{Name: "grpc-keepalive-interval", Category: catServing, Value: 2 * time.Hour, Usage: "interval of the server's pings to clients (0 disables)"},
+			&cli.DurationFlag{Name: "grpc-keepalive-timeout", Category: catServing, Value: 20 * time.Second, Usage: "wait for a ping's answer before closing the connection (0 disables)"},
+			&cli.StringFlag{Name: "resolver-prefix", Category: catServing, Usage: "register the proxy in etcd under this prefix; MemberList lists the proxies registered there"},
+			&cli.IntFlag{Name: "resolver-ttl", Category: catServing, Usage: "TTL in seconds of the registration under --resolver-prefix"},
 			&cli.IntFlag{Name: "max-request-bytes", Category: catServing, Value: 1.5 * 1024 * 1024,
 				Usage: "the upstream's --max-request-bytes: the largest request accepted, and where fragmenting watch responses are split"},
 			&cli.DurationFlag{Name: "watch-progress-notify-interval", Category: catServing, Value: watchproxy.DefaultProgressNotifyInterval,
-				Usage: "interval of progress notifications to idle watchers that asked for them (etcd's default)"},
+				Usage: "interval of progress notifications to idle watchers that asked for them; not given: etcd's own interval, followed through an idle upstream watch (this default while etcd sends none)"},
+			&cli.BoolFlag{Name: "enable-pprof", Category: catServing, Usage: "serve runtime profiles at /debug/pprof/ on the client port"},
+			&cli.BoolFlag{Name: "debug", Category: catServing, Usage: "log at debug level"},
 			&cli.StringFlag{Name: "log-level", Category: catServing, Value: "info", Usage: "debug, info, warn or error"},
+			&cli.BoolFlag{Name: "experimental-enable-grpc-logging", Category: catServing, Usage: "log every gRPC request and response"},
+			&cli.StringFlag{Name: "data-dir", Category: catServing, Value: ".snapcache/etcd",
+				Usage: "with --endpoints: where --auto-tls keeps its certificates; without: the embedded etcd's data"},
 
-			&cli.StringFlag{Name: "data-dir", Category: catEmbedded, Value: ".snapcache/etcd", Usage: "data directory of the embedded etcd"},
+			&cli.StringFlag{Name: "namespace", Category: catIgnored, Usage: "prefix every key with this string: not supported, refused when set"},
+			&cli.StringFlag{Name: "experimental-leasing-prefix", Category: catIgnored, Usage: "leasing metadata prefix: not supported, refused when set"},
+			&cli.BoolFlag{Name: "experimental-serializable-ordering", Category: catIgnored,
+				Usage: "accepted; the cache already serves serializable reads from one store whose revision never goes back"},
+
 			&cli.StringFlag{Name: "embedded-client-url", Category: catEmbedded, Value: "http://127.0.0.1:23792", Usage: "client URL of the embedded etcd"},
 			&cli.StringFlag{Name: "embedded-peer-url", Category: catEmbedded, Value: "http://127.0.0.1:23793", Usage: "peer URL of the embedded etcd"},
 
@@ -80,20 +130,23 @@ func serveCommand() *cli.Command {
 }
 
 func serve(c *cli.Context) error {
-	lg, err := newLogger(c.String("log-level"))
+	level := c.String("log-level")
+	if c.Bool("debug") {
+		level = "debug"
+	}
+	lg, err := newLogger(level)
 	if err != nil {
 		return err
 	}
 	defer lg.Sync()
+	cfg, err := serverConfig(c, lg)
+	if err != nil {
+		return err
+	}
 	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 
-	fallback, err := kvproxy.ParseConsistentReadFallback(c.String("consistent-read-fallback"))
-	if err != nil {
-		return fmt.Errorf("--consistent-read-fallback: %w", err)
-	}
-	endpoints := c.StringSlice("endpoints")
-	if len(endpoints) == 0 {
+	if len(cfg.Endpoints) == 0 {
 		e, err := server.StartEmbedded(server.EmbeddedConfig{
 			Dir:       c.String("data-dir"),
 			ClientURL: c.String("embedded-client-url"),
@@ -104,39 +157,14 @@ func serve(c *cli.Context) error {
 			return err
 		}
 		defer e.Close()
-		endpoints = []string{server.EmbeddedEndpoint(e)}
-		lg.Info("started embedded etcd", zap.String("data-dir", c.String("data-dir")), zap.Strings("endpoints", endpoints))
+		cfg.Endpoints = []string{server.EmbeddedEndpoint(e)}
+		// The data directory is the embedded etcd's; auto-TLS keeps its
+		// certificates beside it.
+		cfg.DataDir = filepath.Dir(c.String("data-dir"))
+		lg.Info("started embedded etcd", zap.String("data-dir", c.String("data-dir")), zap.Strings("endpoints", cfg.Endpoints))
 	}
 
-	srv, err := server.Start(server.Config{
-		Endpoints:           endpoints,
-		ListenAddr:          c.String("listen-addr"),
-		MetricsAddr:         c.String("metrics-addr"),
-		AdvertiseClientURLs: c.StringSlice("advertise-client-url"),
-		ServerTLS: transport.TLSInfo{
-			CertFile:      c.String("cert-file"),
-			KeyFile:       c.String("key-file"),
-			TrustedCAFile: c.String("trusted-ca-file"),
-		},
-		UpstreamTLS: transport.TLSInfo{
-			CertFile:      c.String("cert"),
-			KeyFile:       c.String("key"),
-			TrustedCAFile: c.String("cacert"),
-		},
-		DialTimeout:                 c.Duration("dial-timeout"),
-		BTreeDegree:                 c.Int("btree-degree"),
-		RevisionWait:                c.Duration("revision-wait"),
-		FreshnessTimeout:            c.Duration("consistent-read-timeout"),
-		ConsistentReadFallback:      fallback,
-		MaxForwardedReads:           c.Int("max-forwarded-reads"),
-		ConsistencyCheckInterval:    checkInterval(c.Duration("consistency-check-interval")),
-		CompactionProbeInterval:     c.Duration("compaction-probe-interval"),
-		LoadRetainedHistory:         c.Bool("load-retained-history"),
-		LoadPageSize:                c.Int64("load-page-size"),
-		MaxRequestBytes:             c.Int("max-request-bytes"),
-		WatchProgressNotifyInterval: c.Duration("watch-progress-notify-interval"),
-		Logger:                      lg,
-	})
+	srv, err := server.Start(cfg)
 	if err != nil {
 		return err
 	}
@@ -151,12 +179,291 @@ func serve(c *cli.Context) error {
 	}
 }
 
-// checkInterval maps the flag's 0 (disabled) to the server's negative.
-func checkInterval(d time.Duration) time.Duration {
+// serverConfig checks every flag, as grpc-proxy does before it starts, and
+// returns the server's configuration. Each error names its flag.
+func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
+	fallback, err := kvproxy.ParseConsistentReadFallback(c.String("consistent-read-fallback"))
+	if err != nil {
+		return server.Config{}, fmt.Errorf("--consistent-read-fallback: %w", err)
+	}
+	if err := refuseUnsupported(c); err != nil {
+		return server.Config{}, err
+	}
+	endpoints, err := upstreamEndpoints(c, lg)
+	if err != nil {
+		return server.Config{}, err
+	}
+	serverTLS, err := servingTLSInfo(c)
+	if err != nil {
+		return server.Config{}, err
+	}
+	upstreamTLS := transport.TLSInfo{CertFile: c.String("cert"), KeyFile: c.String("key"), TrustedCAFile: c.String("cacert")}
+	for _, f := range []string{"cert", "key", "cacert"} {
+		if err := fileExists(c, f); err != nil {
+			return server.Config{}, err
+		}
+	}
+	if (upstreamTLS.CertFile == "") != (upstreamTLS.KeyFile == "") {
+		return server.Config{}, errors.New("--cert and --key: give both or neither")
+	}
+	if err := checkResolver(c); err != nil {
+		return server.Config{}, err
+	}
+	metrics := c.String("metrics")
+	if metrics != server.MetricsBasic && metrics != server.MetricsExtensive {
+		return server.Config{}, fmt.Errorf("--metrics %q: want basic or extensive", metrics)
+	}
+	if err := checkMetricsAddr(c.String("metrics-addr")); err != nil {
+		return server.Config{}, err
+	}
+	advertise := c.StringSlice("advertise-client-url")
+	forwardMembers := c.IsSet("advertise-client-url") && strings.Join(advertise, "") == ""
+	if forwardMembers {
+		advertise = nil
+	}
+	if c.Bool("experimental-serializable-ordering") {
+		lg.Info("--experimental-serializable-ordering is ignored: serializable reads come from the cache, whose revision never goes back")
+	}
+	return server.Config{
+		Endpoints:                   endpoints,
+		EndpointsAutoSyncInterval:   c.Duration("endpoints-auto-sync-interval"),
+		ListenAddr:                  c.String("listen-addr"),
+		MetricsAddr:                 c.String("metrics-addr"),
+		AdvertiseClientURLs:         advertise,
+		ForwardMemberList:           forwardMembers,
+		ResolverPrefix:              c.String("resolver-prefix"),
+		ResolverTTL:                 c.Int("resolver-ttl"),
+		ServerTLS:                   serverTLS,
+		AutoTLS:                     c.Bool("auto-tls"),
+		DataDir:                     c.String("data-dir"),
+		SelfSignedCertValidity:      c.Uint("self-signed-cert-validity"),
+		UpstreamTLS:                 upstreamTLS,
+		InsecureSkipTLSVerify:       c.Bool("insecure-skip-tls-verify"),
+		DialTimeout:                 c.Duration("dial-timeout"),
+		DialKeepAliveTime:           disabledIfZero(c.Duration("dial-keepalive-time")),
+		DialKeepAliveTimeout:        disabledIfZero(c.Duration("dial-keepalive-timeout")),
+		PermitWithoutStream:         c.Bool("permit-without-stream"),
+		MaxSendBytes:                c.Int("max-send-bytes"),
+		MaxRecvBytes:                c.Int("max-recv-bytes"),
+		MaxConcurrentStreams:        uint32(min(c.Uint("max-concurrent-streams"), math.MaxUint32)),
+		GRPCKeepAliveMinTime:        disabledIfZero(c.Duration("grpc-keepalive-min-time")),
+		GRPCKeepAliveInterval:       disabledIfZero(c.Duration("grpc-keepalive-interval")),
+		GRPCKeepAliveTimeout:        disabledIfZero(c.Duration("grpc-keepalive-timeout")),
+		EnablePprof:                 c.Bool("enable-pprof"),
+		EnableGRPCLogging:           c.Bool("experimental-enable-grpc-logging"),
+		Metrics:                     metrics,
+		BTreeDegree:                 c.Int("btree-degree"),
+		RevisionWait:                c.Duration("revision-wait"),
+		FreshnessTimeout:            c.Duration("consistent-read-timeout"),
+		ConsistentReadFallback:      fallback,
+		MaxForwardedReads:           c.Int("max-forwarded-reads"),
+		ConsistencyCheckInterval:    disabledIfZero(c.Duration("consistency-check-interval")),
+		CompactionProbeInterval:     c.Duration("compaction-probe-interval"),
+		LoadRetainedHistory:         c.Bool("load-retained-history"),
+		LoadPageSize:                c.Int64("load-page-size"),
+		MaxRequestBytes:             c.Int("max-request-bytes"),
+		WatchProgressNotifyInterval: progressOverride(c),
+		Logger:                      lg,
+	}, nil
+}
+
+// progressOverride is the periodic progress interval when the flag is
+// given; otherwise 0: the proxy follows etcd's own interval, learned from an
+// idle upstream watch, with the flag's default as the fallback.
+func progressOverride(c *cli.Context) time.Duration {
+	if c.IsSet("watch-progress-notify-interval") {
+		return c.Duration("watch-progress-notify-interval")
+	}
+	return 0
+}
+
+// disabledIfZero maps a flag's 0 (disabled) to the server's negative (its
+// 0 means the default).
+func disabledIfZero(d time.Duration) time.Duration {
 	if d == 0 {
 		return -1
 	}
 	return d
+}
+
+// refuseUnsupported refuses the grpc-proxy flags that would change what
+// clients see and that the proxy does not implement: ignoring them would
+// serve the wrong keys.
+func refuseUnsupported(c *cli.Context) error {
+	for _, f := range []string{"namespace", "experimental-leasing-prefix"} {
+		if c.String(f) != "" {
+			return fmt.Errorf("--%s: not supported by etcd-snapcache (it would change the keys clients see); run etcd grpc-proxy for it", f)
+		}
+	}
+	return nil
+}
+
+// upstreamEndpoints returns the upstream endpoints: from DNS SRV records
+// with --discovery-srv, as grpc-proxy discovers them, else --endpoints.
+func upstreamEndpoints(c *cli.Context, lg *zap.Logger) ([]string, error) {
+	if dns := c.String("discovery-srv"); dns != "" {
+		srvs, err := srv.GetClient("etcd-client", dns, c.String("discovery-srv-name"))
+		if err != nil {
+			return nil, fmt.Errorf("--discovery-srv %q: %w", dns, err)
+		}
+		eps := srvs.Endpoints
+		lg.Info("discovered cluster from SRV", zap.String("srv-server", dns), zap.Strings("endpoints", eps))
+		if !c.Bool("insecure-discovery") {
+			valid, err := transport.ValidateSecureEndpoints(transport.TLSInfo{TrustedCAFile: c.String("cacert"), ServerName: dns}, eps)
+			if err != nil {
+				lg.Warn("failed to validate discovered endpoints", zap.String("srv-server", dns), zap.Error(err))
+			}
+			eps = valid
+		}
+		if len(eps) > 0 {
+			return eps, nil
+		}
+		if !c.IsSet("endpoints") {
+			return nil, fmt.Errorf("--discovery-srv %q: no usable endpoint discovered, and no --endpoints", dns)
+		}
+	}
+	if !c.IsSet("endpoints") {
+		return nil, nil // the embedded etcd's
+	}
+	var eps []string
+	for _, ep := range c.StringSlice("endpoints") {
+		if ep = strings.TrimSpace(ep); ep == "" {
+			continue
+		}
+		if err := checkEndpoint(ep); err != nil {
+			return nil, fmt.Errorf("--endpoints %q: %w", ep, err)
+		}
+		eps = append(eps, ep)
+	}
+	if len(eps) == 0 {
+		return nil, errors.New("--endpoints: empty; give the etcd cluster's client endpoints, or leave the flag out for an embedded etcd")
+	}
+	return eps, nil
+}
+
+// checkEndpoint accepts what clientv3 dials: host:port, or a URL with an
+// http, https, unix or unixs scheme.
+func checkEndpoint(ep string) error {
+	if !strings.Contains(ep, "://") {
+		_, _, err := net.SplitHostPort(ep)
+		return err
+	}
+	u, err := url.Parse(ep)
+	if err != nil {
+		return err
+	}
+	switch u.Scheme {
+	case "http", "https":
+		if u.Host == "" {
+			return errors.New("no host")
+		}
+	case "unix", "unixs":
+	default:
+		return fmt.Errorf("scheme %q, want http, https, unix or unixs", u.Scheme)
+	}
+	return nil
+}
+
+// servingTLSInfo checks the serving TLS flags as grpc-proxy does.
+func servingTLSInfo(c *cli.Context) (transport.TLSInfo, error) {
+	info := transport.TLSInfo{
+		CertFile:      c.String("cert-file"),
+		KeyFile:       c.String("key-file"),
+		TrustedCAFile: c.String("trusted-ca-file"),
+		CRLFile:       c.String("client-crl-file"),
+	}
+	for _, f := range []string{"cert-file", "key-file", "trusted-ca-file"} {
+		if err := fileExists(c, f); err != nil {
+			return info, err
+		}
+	}
+	serving := info.CertFile != "" || info.KeyFile != "" || info.TrustedCAFile != "" || c.Bool("auto-tls")
+	if (info.CertFile != "" || info.KeyFile != "" || info.TrustedCAFile != "") && (info.CertFile == "" || info.KeyFile == "") {
+		return info, errors.New("--cert-file and --key-file: give both to serve TLS")
+	}
+	if serving {
+		if err := fileExists(c, "client-crl-file"); err != nil {
+			return info, err
+		}
+	}
+	if c.Bool("auto-tls") && c.Uint("self-signed-cert-validity") == 0 {
+		return info, errors.New("--self-signed-cert-validity: must be greater than 0 with --auto-tls")
+	}
+	minVersion, err := tlsutil.GetTLSVersion(c.String("tls-min-version"))
+	if err != nil {
+		return info, fmt.Errorf("--tls-min-version: %w", err)
+	}
+	maxVersion, err := tlsutil.GetTLSVersion(c.String("tls-max-version"))
+	if err != nil {
+		return info, fmt.Errorf("--tls-max-version: %w", err)
+	}
+	if maxVersion != 0 && minVersion > maxVersion {
+		return info, fmt.Errorf("--tls-min-version %s is greater than --tls-max-version %s", c.String("tls-min-version"), c.String("tls-max-version"))
+	}
+	info.MinVersion, info.MaxVersion = minVersion, maxVersion
+	if suites := c.StringSlice("listen-cipher-suites"); len(suites) > 0 {
+		if minVersion == tls.VersionTLS13 {
+			return info, errors.New("--listen-cipher-suites: cipher suites cannot be configured when only TLS1.3 is enabled")
+		}
+		cs, err := tlsutil.GetCipherSuites(suites)
+		if err != nil {
+			return info, fmt.Errorf("--listen-cipher-suites: %w", err)
+		}
+		info.CipherSuites = cs
+	}
+	return info, nil
+}
+
+// checkResolver is grpc-proxy's rule: a resolver prefix and a positive TTL
+// go together.
+func checkResolver(c *cli.Context) error {
+	prefix, ttl := c.String("resolver-prefix"), c.Int("resolver-ttl")
+	switch {
+	case prefix != "" && ttl < 1:
+		return fmt.Errorf("--resolver-ttl %d: must be at least 1 with --resolver-prefix", ttl)
+	case prefix == "" && ttl > 0:
+		return errors.New("--resolver-prefix: empty, but --resolver-ttl is set")
+	case prefix != "" && c.IsSet("advertise-client-url") && strings.Join(c.StringSlice("advertise-client-url"), "") == "":
+		return errors.New("--advertise-client-url: empty, but --resolver-prefix registers it")
+	}
+	return nil
+}
+
+// checkMetricsAddr accepts what grpc-proxy accepts, a URL, and host:port.
+func checkMetricsAddr(addr string) error {
+	if addr == "" {
+		return nil
+	}
+	if !strings.Contains(addr, "://") {
+		if _, _, err := net.SplitHostPort(addr); err != nil {
+			return fmt.Errorf("--metrics-addr %q: %w", addr, err)
+		}
+		return nil
+	}
+	u, err := url.Parse(addr)
+	if err != nil {
+		return fmt.Errorf("--metrics-addr %q: %w", addr, err)
+	}
+	if u.Scheme != "http" && u.Scheme != "https" {
+		return fmt.Errorf("--metrics-addr %q: scheme %q, want http or https", addr, u.Scheme)
+	}
+	if _, _, err := net.SplitHostPort(u.Host); err != nil {
+		return fmt.Errorf("--metrics-addr %q: %w", addr, err)
+	}
+	return nil
+}
+
+// fileExists checks that the file a flag names, if any, can be read.
+func fileExists(c *cli.Context, flag string) error {
+	name := c.String(flag)
+	if name == "" {
+		return nil
+	}
+	f, err := os.Open(name)
+	if err != nil {
+		return fmt.Errorf("--%s: %w", flag, err)
+	}
+	return f.Close()
 }
 
 func newLogger(level string) (*zap.Logger, error) {

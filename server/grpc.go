@@ -1,0 +1,172 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path"
+	"time"
+
+	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/server/v3/etcdserver/api/v3election/v3electionpb"
+	"go.etcd.io/etcd/server/v3/etcdserver/api/v3lock/v3lockpb"
+	"go.etcd.io/etcd/server/v3/proxy/grpcproxy"
+
+	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
+	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
+)
+
+// newGRPCServer returns the gRPC server of the etcd API with every service
+// registered: KV and Watch from the cache, the rest forwarded. Its calls
+// are counted in grpc_server_*, with handling times when Metrics is
+// "extensive", as etcd's --metrics.
+func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
+	var mopts []grpcprom.ServerMetricsOption
+	if s.cfg.Metrics == MetricsExtensive {
+		mopts = append(mopts, grpcprom.WithServerHandlingTimeHistogram())
+	}
+	serverMetrics := grpcprom.NewServerMetrics(mopts...)
+	s.registry.MustRegister(serverMetrics)
+	unary := []grpc.UnaryServerInterceptor{serverMetrics.UnaryServerInterceptor()}
+	stream := []grpc.StreamServerInterceptor{serverMetrics.StreamServerInterceptor()}
+	if s.cfg.EnableGRPCLogging {
+		unary = append(unary, interceptors.UnaryServerInterceptor(payloadLogger(s.lg.Named("grpc"))))
+		stream = append(stream, interceptors.StreamServerInterceptor(payloadLogger(s.lg.Named("grpc"))))
+	}
+	opts := []grpc.ServerOption{
+		grpc.ChainUnaryInterceptor(unary...),
+		grpc.ChainStreamInterceptor(stream...),
+		grpc.MaxRecvMsgSize(s.cfg.MaxRequestBytes + grpcOverheadBytes),
+		grpc.MaxSendMsgSize(maxSendBytes),
+		grpc.MaxConcurrentStreams(s.cfg.MaxConcurrentStreams),
+	}
+	if s.cfg.GRPCKeepAliveMinTime > 0 {
+		// As etcd: clients ping every 30 s on open streams, which a
+		// minimum of 5 s allows; grpc-go's default would GOAWAY them.
+		opts = append(opts, grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: s.cfg.GRPCKeepAliveMinTime}))
+	}
+	if s.cfg.GRPCKeepAliveInterval > 0 || s.cfg.GRPCKeepAliveTimeout > 0 {
+		opts = append(opts, grpc.KeepaliveParams(keepalive.ServerParameters{Time: s.cfg.GRPCKeepAliveInterval, Timeout: s.cfg.GRPCKeepAliveTimeout}))
+	}
+	if s.tls != nil {
+		// Served through ServeHTTP behind a TLS listener; the credentials
+		// are etcd's, for a server reached directly.
+		tlsCfg, err := s.tls.ServerConfig()
+		if err != nil {
+			return nil, fmt.Errorf("serving TLS: %w", err)
+		}
+		opts = append(opts, grpc.Creds(credentials.NewTLS(tlsCfg)))
+	}
+	opts = append(opts, s.cfg.GRPCServerOptions...)
+	gs := grpc.NewServer(opts...)
+
+	conn := s.client.ActiveConnection()
+	pb.RegisterKVServer(gs, kvproxy.New(kvproxy.Config{
+		Store:                  s.store,
+		Follower:               s.follower,
+		Upstream:               pb.NewKVClient(conn),
+		Logger:                 s.lg.Named("kv"),
+		Metrics:                kvproxy.NewMetrics(s.registry),
+		RevisionWait:           s.cfg.RevisionWait,
+		FreshnessTimeout:       s.cfg.FreshnessTimeout,
+		ConsistentReadFallback: s.cfg.ConsistentReadFallback,
+		MaxForwardedReads:      s.cfg.MaxForwardedReads,
+		Inconsistent:           s.checker.Fallback,
+	}))
+	s.watch = watchproxy.New(watchproxy.Config{
+		Store:                  s.store,
+		Follower:               s.follower,
+		Upstream:               pb.NewWatchClient(conn),
+		ProgressNotifyInterval: s.cfg.WatchProgressNotifyInterval,
+		FragmentBytes:          s.cfg.MaxRequestBytes + grpcOverheadBytes,
+		Inconsistent:           s.checker.Fallback,
+		Logger:                 s.lg.Named("watch"),
+		Metrics:                watchproxy.NewMetrics(s.registry),
+	})
+	pb.RegisterWatchServer(gs, s.watch)
+	s.keepAlives = newKeepAlives(ctx, pb.NewLeaseClient(conn), s.lg.Named("lease"))
+	pb.RegisterLeaseServer(gs, &leaseServer{upstream: pb.NewLeaseClient(conn), ka: s.keepAlives})
+	pb.RegisterClusterServer(gs, s.newClusterServer())
+	pb.RegisterMaintenanceServer(gs, grpcproxy.NewMaintenanceProxy(s.client))
+	pb.RegisterAuthServer(gs, grpcproxy.NewAuthProxy(s.client))
+	v3lockpb.RegisterLockServer(gs, grpcproxy.NewLockProxy(s.client))
+	v3electionpb.RegisterElectionServer(gs, grpcproxy.NewElectionProxy(s.client))
+	s.health = health.NewServer()
+	s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	healthpb.RegisterHealthServer(gs, s.health)
+	// Every method's series exist from the start, at zero.
+	serverMetrics.InitializeMetrics(gs)
+	return gs, nil
+}
+
+// newClusterServer follows grpc-proxy: with --resolver-prefix, MemberList
+// lists the proxies registered under the prefix (etcd's own cluster
+// proxy); otherwise the advertised URL, or etcd's members when none is
+// advertised.
+func (s *Server) newClusterServer() pb.ClusterServer {
+	urls := s.advertiseURLs()
+	if s.cfg.ResolverPrefix != "" && len(urls) > 0 {
+		cp, done := grpcproxy.NewClusterProxy(s.lg.Named("cluster"), s.client, urls[0], s.cfg.ResolverPrefix)
+		s.clientDone = append(s.clientDone, done)
+		return cp
+	}
+	return newClusterServer(pb.NewClusterClient(s.client.ActiveConnection()), memberName(), urls)
+}
+
+func memberName() string {
+	if h, err := os.Hostname(); err == nil && h != "" {
+		return defaultMemberName + "-" + h
+	}
+	return defaultMemberName
+}
+
+// payloadLogger logs every request and response payload, as grpc-proxy's
+// --experimental-enable-grpc-logging.
+func payloadLogger(lg *zap.Logger) interceptors.CommonReportableFunc {
+	return func(ctx context.Context, c interceptors.CallMeta) (interceptors.Reporter, context.Context) {
+		fields := []zap.Field{
+			zap.String("grpc.service", path.Dir(c.FullMethod())[1:]),
+			zap.String("grpc.method", path.Base(c.FullMethod())),
+		}
+		if p, ok := peer.FromContext(ctx); ok {
+			fields = append(fields, zap.String("peer.address", p.Addr.String()))
+		}
+		return &payloadReporter{lg: lg.With(fields...)}, ctx
+	}
+}
+
+type payloadReporter struct{ lg *zap.Logger }
+
+func (r *payloadReporter) PostCall(error, time.Duration) {}
+
+func (r *payloadReporter) PostMsgReceive(payload any, err error, _ time.Duration) {
+	r.lg.Info("received payload logged as grpc.request.content field", payloadFields("request", payload, err)...)
+}
+
+func (r *payloadReporter) PostMsgSend(payload any, err error, _ time.Duration) {
+	r.lg.Info("returned response payload logged as grpc.response.content field", payloadFields("response", payload, err)...)
+}
+
+func payloadFields(kind string, payload any, err error) []zap.Field {
+	var fields []zap.Field
+	if err != nil {
+		fields = append(fields, zap.NamedError("grpc."+kind+".error", err))
+	}
+	if m, ok := payload.(proto.Message); ok {
+		b, _ := protojson.Marshal(m)
+		fields = append(fields, zap.ByteString("grpc."+kind+".content", b))
+	}
+	return fields
+}

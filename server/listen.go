@@ -1,0 +1,151 @@
+package server
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"math"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/soheilhy/cmux"
+	"google.golang.org/grpc"
+
+	"go.etcd.io/etcd/client/pkg/v3/transport"
+)
+
+// servingTLS returns the TLS the client port serves, or nil for none: the
+// configured certificate, else with AutoTLS a self-signed one kept under
+// <DataDir>/fixtures/proxy, as grpc-proxy keeps it. A trusted CA makes the
+// proxy require and verify client certificates.
+func (s *Server) servingTLS() (*transport.TLSInfo, error) {
+	info := s.cfg.ServerTLS
+	if info.CertFile == "" && info.KeyFile == "" && info.TrustedCAFile == "" {
+		if !s.cfg.AutoTLS {
+			return nil, nil // a CRL without serving TLS is ignored, as grpc-proxy ignores it
+		}
+		dir := filepath.Join(s.cfg.DataDir, "fixtures", "proxy")
+		auto, err := transport.SelfCert(s.lg, dir, []string{"https://" + s.cfg.ListenAddr}, s.cfg.SelfSignedCertValidity)
+		if err != nil {
+			return nil, fmt.Errorf("--auto-tls: %w", err)
+		}
+		auto.CipherSuites, auto.MinVersion, auto.MaxVersion, auto.CRLFile = info.CipherSuites, info.MinVersion, info.MaxVersion, info.CRLFile
+		info = auto
+	}
+	info.ClientCertAuth = info.TrustedCAFile != ""
+	if info.CRLFile != "" {
+		if _, err := os.Stat(info.CRLFile); err != nil {
+			return nil, fmt.Errorf("--client-crl-file: %w", err)
+		}
+	}
+	if _, err := info.ServerConfig(); err != nil {
+		return nil, fmt.Errorf("serving TLS: %w", err)
+	}
+	return &info, nil
+}
+
+// listenMetrics listens on --metrics-addr: a URL, http:// or https://
+// (served with the serving TLS), as grpc-proxy takes it, or a plain
+// host:port served over HTTP.
+func listenMetrics(addr string, tlsInfo *transport.TLSInfo) (net.Listener, error) {
+	scheme, host := "http", addr
+	if strings.Contains(addr, "://") {
+		u, err := url.Parse(addr)
+		if err != nil {
+			return nil, fmt.Errorf("--metrics-addr %q: %w", addr, err)
+		}
+		scheme, host = u.Scheme, u.Host
+	}
+	switch {
+	case scheme != "http" && scheme != "https":
+		return nil, fmt.Errorf("--metrics-addr %q: scheme %q, want http or https", addr, scheme)
+	case scheme == "https" && tlsInfo == nil:
+		return nil, fmt.Errorf("--metrics-addr %q: https needs serving TLS (--cert-file and --key-file, or --auto-tls)", addr)
+	case scheme == "http":
+		tlsInfo = nil
+	}
+	l, err := transport.NewListener(host, scheme, tlsInfo)
+	if err != nil {
+		return nil, fmt.Errorf("--metrics-addr %q: %w", addr, err)
+	}
+	return l, nil
+}
+
+// newHTTPServer returns an HTTP server of h with etcd's settings: client
+// errors are not logged, and HTTP/2 streams are not capped below
+// --max-concurrent-streams.
+func (s *Server) newHTTPServer(h http.Handler) *http.Server {
+	return &http.Server{
+		Handler:           h,
+		ReadHeaderTimeout: 5 * time.Minute,
+		ErrorLog:          log.New(io.Discard, "", 0),
+		// net/http replaces a limit above math.MaxInt32 with its default.
+		HTTP2: &http.HTTP2Config{MaxConcurrentStreams: int(min(s.cfg.MaxConcurrentStreams, math.MaxInt32))},
+	}
+}
+
+// serveClientPort serves gRPC and HTTP on the client listener, as etcd
+// serves its client port. Without TLS, cmux sends HTTP/2 connections to the
+// gRPC server and HTTP/1 ones to the HTTP server. With TLS, one HTTP
+// server terminates TLS (checking the CRL) and hands gRPC requests to the
+// gRPC server through ServeHTTP, so that handlers see the caller's verified
+// certificate in peer.AuthInfo, as etcd's do.
+func (s *Server) serveClientPort(gs *grpc.Server, mux http.Handler) error {
+	if s.tls == nil {
+		m := cmux.New(s.clientLis)
+		grpcl := m.Match(cmux.HTTP2())
+		httpl := m.Match(cmux.HTTP1())
+		s.clientHTTP = s.newHTTPServer(mux)
+		s.serve("gRPC", func() error { return gs.Serve(grpcl) })
+		s.serve("HTTP", func() error { return s.clientHTTP.Serve(httpl) })
+		s.serve("the client port", m.Serve)
+		return nil
+	}
+	tlsl, err := transport.NewTLSListener(s.clientLis, s.tls)
+	if err != nil {
+		return fmt.Errorf("serving TLS: %w", err)
+	}
+	tlsCfg, err := s.tls.ServerConfig()
+	if err != nil {
+		return fmt.Errorf("serving TLS: %w", err)
+	}
+	s.clientHTTP = s.newHTTPServer(grpcHandlerFunc(gs, mux))
+	s.clientHTTP.TLSConfig = tlsCfg
+	s.serve("gRPC and HTTP over TLS", func() error { return s.clientHTTP.Serve(tlsl) })
+	return nil
+}
+
+// grpcHandlerFunc is etcd's: gRPC requests to the gRPC server, the rest to
+// other.
+func grpcHandlerFunc(gs *grpc.Server, other http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.ProtoMajor == 2 && strings.Contains(r.Header.Get("Content-Type"), "application/grpc") {
+			gs.ServeHTTP(w, r)
+			return
+		}
+		other.ServeHTTP(w, r)
+	})
+}
+
+// serve runs fn on a goroutine the server owns, reporting an error that is
+// not the end of serving on Err.
+func (s *Server) serve(what string, fn func() error) {
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		err := fn()
+		if err == nil || s.stopping.Load() || errors.Is(err, http.ErrServerClosed) || errors.Is(err, net.ErrClosed) || errors.Is(err, cmux.ErrListenerClosed) || errors.Is(err, cmux.ErrServerClosed) {
+			return
+		}
+		select {
+		case s.errc <- fmt.Errorf("serving %s: %w", what, err):
+		default:
+		}
+	}()
+}

@@ -1,0 +1,84 @@
+package server
+
+import (
+	"crypto/tls"
+	"fmt"
+	"math"
+	"time"
+
+	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+
+	"go.etcd.io/etcd/client/pkg/v3/transport"
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
+
+// ClientTLSConfig is the TLS configuration of a client of etcd from
+// etcdctl's --cert, --key and --cacert, and grpc-proxy's
+// --insecure-skip-tls-verify: nil when none is set. As in clientv3, TLS is
+// then used for https:// endpoints only, and with a configuration for bare
+// host:port endpoints too.
+//
+// Unlike grpc-proxy, a client certificate with a common name is accepted:
+// kubeadm's apiserver-etcd-client certificate has one.
+func ClientTLSConfig(info transport.TLSInfo, insecureSkipVerify bool) (*tls.Config, error) {
+	if info.Empty() && info.TrustedCAFile == "" && !insecureSkipVerify {
+		return nil, nil
+	}
+	cfg, err := info.ClientConfig()
+	if err != nil {
+		return nil, err
+	}
+	cfg.InsecureSkipVerify = insecureSkipVerify
+	return cfg, nil
+}
+
+// dialUpstream returns the client of the upstream etcd. Its calls carry the
+// caller's token and hasleader metadata, and are counted in grpc_client_*.
+func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics) (*clientv3.Client, error) {
+	tlsCfg, err := ClientTLSConfig(s.cfg.UpstreamTLS, s.cfg.InsecureSkipTLSVerify)
+	if err != nil {
+		return nil, fmt.Errorf("upstream TLS: %w", err)
+	}
+	if s.cfg.InsecureSkipTLSVerify {
+		s.lg.Warn("--insecure-skip-tls-verify was given: the upstream's TLS certificate is not verified; use it only for testing")
+	}
+	client, err := clientv3.New(clientv3.Config{
+		Endpoints:            s.cfg.Endpoints,
+		AutoSyncInterval:     s.cfg.EndpointsAutoSyncInterval,
+		DialTimeout:          s.cfg.DialTimeout,
+		DialKeepAliveTime:    s.cfg.DialKeepAliveTime,
+		DialKeepAliveTimeout: s.cfg.DialKeepAliveTimeout,
+		PermitWithoutStream:  s.cfg.PermitWithoutStream,
+		TLS:                  tlsCfg,
+		Logger:               s.lg.Named("upstream"),
+		DialOptions: []grpc.DialOption{
+			// The raw stubs used here do not get clientv3's
+			// MaxCallSendMsgSize/MaxCallRecvMsgSize, so the limits go on
+			// the connection. By default responses may be as large as
+			// etcd sends (a catch-up watch response batches many
+			// revisions; a forwarded Range may be any size).
+			grpc.WithDefaultCallOptions(
+				grpc.MaxCallRecvMsgSize(s.cfg.MaxRecvBytes),
+				grpc.MaxCallSendMsgSize(s.cfg.MaxSendBytes)),
+			// Reconnect within about a second of etcd coming back, even
+			// after a long outage (grpc-go's default backoff reaches 120 s,
+			// and a 5 s cap still left the proxy 3-4 s behind a restarted
+			// etcd): while disconnected the cache is stale.
+			grpc.WithConnectParams(grpc.ConnectParams{
+				Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second},
+				MinConnectTimeout: defaultDialTimeout,
+			}),
+			grpc.WithChainUnaryInterceptor(forwardUnaryMetadata, clientMetrics.UnaryClientInterceptor()),
+			grpc.WithChainStreamInterceptor(forwardStreamMetadata, clientMetrics.StreamClientInterceptor()),
+		},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("connecting to etcd %v: %w", s.cfg.Endpoints, err)
+	}
+	return client, nil
+}
+
+// defaultMaxRecvBytes is grpc-proxy's --max-recv-bytes default: no limit.
+const defaultMaxRecvBytes = math.MaxInt32
