@@ -282,10 +282,12 @@ func expectedSource(req *pb.RangeRequest, compactRev, head int64) string {
 	}
 }
 
-func TestDifferentialRange(t *testing.T) {
+func TestDifferentialRange(t *testing.T) { testDifferentialRange(t, clusterOptions{}) }
+
+func testDifferentialRange(t *testing.T, opts clusterOptions) {
 	seed := diffSeed(t)
 	t.Logf("seed %d (rerun with SNAPCACHE_SEED=%d)", seed, seed)
-	c := newCluster(t, clusterOptions{})
+	c := newCluster(t, opts)
 	w := newWorkload(t, c, seed)
 	qr := rand.New(rand.NewPCG(seed^0xabcdef, seed))
 

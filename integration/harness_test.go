@@ -39,6 +39,9 @@ type clusterOptions struct {
 	// progressNotifyInterval sets the proxy's periodic watch progress
 	// interval (etcd's is set with v3rpc.SetProgressReportInterval).
 	progressNotifyInterval time.Duration
+	// tiered puts a second proxy between etcd and the proxy under test: the
+	// proxy's --endpoints is the inner proxy, as in a tiered deployment.
+	tiered bool
 }
 
 // cluster is an embedded etcd with the proxy in front of it.
@@ -70,6 +73,16 @@ func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 	if opts.relay {
 		c.relay = testsupport.NewRelay(tb, c.etcdAddr)
 		upstream = c.relay.Addr()
+	}
+	if opts.tiered {
+		inner := proxytest.StartProxy(tb, server.Config{
+			Endpoints:               []string{"http://" + upstream},
+			ListenAddr:              "127.0.0.1:0",
+			CompactionProbeInterval: 20 * time.Millisecond,
+			MaxRequestBytes:         opts.maxRequestBytes,
+			Logger:                  lg.Named("inner"),
+		})
+		upstream = inner.Addr()
 	}
 	c.proxyCfg = server.Config{
 		Endpoints:                   []string{"http://" + upstream},

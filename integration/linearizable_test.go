@@ -22,8 +22,10 @@ import (
 // linearizable read must reflect every write acknowledged before it began,
 // by any client: its header revision is at least the highest acknowledged
 // revision, and it sees its own write. And the reads come from the cache.
-func TestNoStaleLinearizableRead(t *testing.T) {
-	c := newCluster(t, clusterOptions{})
+func TestNoStaleLinearizableRead(t *testing.T) { testNoStaleLinearizableRead(t, clusterOptions{}) }
+
+func testNoStaleLinearizableRead(t *testing.T, opts clusterOptions) {
+	c := newCluster(t, opts)
 	const clients, rounds = 8, 250
 	var acked atomic.Int64 // highest revision etcd acknowledged to anyone
 	var wg sync.WaitGroup

@@ -14,8 +14,10 @@ import (
 // 1.37 lists with) answered from the cache sends exactly etcd's chunks:
 // the same key-values in the same chunk boundaries, with count, more and the
 // header on the last chunk, and etcd's errors for unsupported options.
-func TestRangeStreamDifferential(t *testing.T) {
-	c := newCluster(t, clusterOptions{})
+func TestRangeStreamDifferential(t *testing.T) { testRangeStreamDifferential(t, clusterOptions{}) }
+
+func testRangeStreamDifferential(t *testing.T, opts clusterOptions) {
+	c := newCluster(t, opts)
 	ctx := context.Background()
 	value := make([]byte, 8<<10) // big enough for etcd to grow and cap chunks
 	for i := 0; i < 300; i++ {

@@ -34,8 +34,10 @@ var (
 // fragment; client-chosen and duplicate ids; refused creates (inverted or
 // empty range, negative start revision); cancels, of a known and an
 // unknown id.
-func TestWatchDifferentialCreateOptions(t *testing.T) {
-	c := newCluster(t, clusterOptions{})
+func TestWatchDifferentialCreateOptions(t *testing.T) { testWatchDifferentialCreateOptions(t, clusterOptions{}) }
+
+func testWatchDifferentialCreateOptions(t *testing.T, opts clusterOptions) {
+	c := newCluster(t, opts)
 	ctx := context.Background()
 	w := etcdWriter{t, c.direct}
 	lease, err := c.direct.Grant(ctx, 600)
@@ -156,8 +158,10 @@ func cancelsAtLeast(n int) func([]*pb.WatchResponse) bool {
 // must show its DELETE to a watch from that revision (etcd bug #18089); a
 // watch from the revision before is created, then canceled with
 // compact_revision; a watch live across a compaction is not disturbed.
-func TestWatchDifferentialCompaction(t *testing.T) {
-	c := newCluster(t, clusterOptions{})
+func TestWatchDifferentialCompaction(t *testing.T) { testWatchDifferentialCompaction(t, clusterOptions{}) }
+
+func testWatchDifferentialCompaction(t *testing.T, opts clusterOptions) {
+	c := newCluster(t, opts)
 	ctx := context.Background()
 	w := etcdWriter{t, c.direct}
 	w.put("k/a", "1")

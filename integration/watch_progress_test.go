@@ -123,8 +123,10 @@ func TestWatchProgressUnsyncedWatcher(t *testing.T) {
 // below R follows it on the stream, and R is at least the revision of
 // every write etcd had acknowledged before the request was sent. Each
 // watch's events equal etcd's.
-func TestWatchProgressUnderWrites(t *testing.T) {
-	c := newCluster(t, clusterOptions{})
+func TestWatchProgressUnderWrites(t *testing.T) { testWatchProgressUnderWrites(t, clusterOptions{}) }
+
+func testWatchProgressUnderWrites(t *testing.T, opts clusterOptions) {
+	c := newCluster(t, opts)
 	w := etcdWriter{t, c.direct}
 	first := w.put("c/0", "0")
 	for i := 1; i < 30; i++ {
