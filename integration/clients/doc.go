@@ -9,12 +9,18 @@
 //     placeholders (see normalizer);
 //   - kube-apiserver (TestKubeAPIServer): an unmodified kube-apiserver with
 //     the proxy as its only etcd server, with the watch cache off and on,
-//     driven through its HTTPS API.
+//     driven through its HTTPS API;
+//   - the deploy kit (TestDeploy*): the Dockerfile's static build, the
+//     kube-apiserver sidecar manifest run for real over mTLS and accepted by
+//     a server-side dry run, the systemd unit (systemd-analyze verify), and
+//     every metric the Grafana dashboard and the alerting rules query,
+//     present on a running proxy.
 //
 // It is its own module: it only runs binaries, and needs none of the main
-// module's dependencies. Its one import from the repository is
+// module's dependencies. Its imports from the repository are
 // internal/testsupport (standard library only), through a replace of the
-// main module by ../.. that brings no other module into its build. Build
+// main module by ../.. that brings no other module into its build, and a
+// YAML parser for the deploy kit's manifests. Build
 // the binaries first (tools/build.sh builds etcd, etcdctl and kube-apiserver from the
 // Go module proxy into .tools/bin), then
 //
