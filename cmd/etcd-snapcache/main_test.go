@@ -7,6 +7,9 @@ import (
 
 	"github.com/urfave/cli/v2"
 	"go.uber.org/goleak"
+	"go.uber.org/zap"
+
+	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
 
 // Every goroutine a test starts, an embedded etcd's and the proxy's
@@ -31,13 +34,66 @@ func TestVersion(t *testing.T) {
 	}
 }
 
+// TestServeRejectsBadFlags: a bad flag value stops serve at once, before
+// anything is dialed or bound, with one line that names the flag.
 func TestServeRejectsBadFlags(t *testing.T) {
-	for _, args := range [][]string{
-		{"serve", "--log-level", "loud"},
-		{"serve", "--consistent-read-fallback", "maybe"},
+	missing := t.TempDir() + "/missing.pem"
+	ep := []string{"serve", "--endpoints", "127.0.0.1:2379", "--listen-addr", "127.0.0.1:0"}
+	for _, tc := range []struct {
+		args []string
+		flag string
+	}{
+		{[]string{"serve", "--log-level", "loud"}, "--log-level"},
+		{append(ep, "--consistent-read-fallback", "maybe"), "--consistent-read-fallback"},
+		{[]string{"serve", "--endpoints="}, "--endpoints"},
+		{[]string{"serve", "--endpoints", "::bad"}, "--endpoints"},
+		{[]string{"serve", "--endpoints", "ftp://etcd:2379"}, "--endpoints"},
+		{append(ep, "--cert-file", missing, "--key-file", missing), "--cert-file"},
+		{append(ep, "--cacert", missing), "--cacert"},
+		{append(ep, "--cert-file", missing), "--cert-file"},
+		{append(ep, "--tls-min-version", "TLS1.9"), "--tls-min-version"},
+		{append(ep, "--tls-max-version", "SSL3"), "--tls-max-version"},
+		{append(ep, "--tls-min-version", "TLS1.3", "--tls-max-version", "TLS1.2"), "--tls-min-version"},
+		{append(ep, "--listen-cipher-suites", "TLS_NOT_A_SUITE"), "--listen-cipher-suites"},
+		{append(ep, "--tls-min-version", "TLS1.3", "--listen-cipher-suites", "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256"), "--listen-cipher-suites"},
+		{append(ep, "--metrics-addr", "ftp://127.0.0.1:1"), "--metrics-addr"},
+		{append(ep, "--metrics-addr", "http://[::1"), "--metrics-addr"},
+		{append(ep, "--metrics", "verbose"), "--metrics"},
+		{append(ep, "--auto-tls", "--self-signed-cert-validity", "0"), "--self-signed-cert-validity"},
+		{append(ep, "--resolver-prefix", "/proxies"), "--resolver-ttl"},
+		{append(ep, "--resolver-ttl", "10"), "--resolver-prefix"},
+		{append(ep, "--namespace", "/tenant/"), "--namespace"},
+		{append(ep, "--experimental-leasing-prefix", "/lease/"), "--experimental-leasing-prefix"},
 	} {
-		if _, err := run(args...); err == nil {
-			t.Errorf("%v: no error", args)
+		_, err := run(tc.args...)
+		if err == nil {
+			t.Errorf("%v: no error", tc.args)
+			continue
 		}
+		if msg := err.Error(); !strings.Contains(msg, tc.flag) || strings.Contains(msg, "\n") {
+			t.Errorf("%v: %q, want one line naming %s", tc.args, msg, tc.flag)
+		}
+	}
+}
+
+// TestServeTakesEtcdE2EProxyFlags: etcd's e2e framework passes
+// --client-crl-file with http endpoints and no serving certificate, which
+// grpc-proxy ignores, and an empty --advertise-client-url, which makes
+// MemberList etcd's; serve does the same.
+func TestServeTakesEtcdE2EProxyFlags(t *testing.T) {
+	app := newApp()
+	var cfgErr error
+	var cfg server.Config
+	app.Commands[0].Action = func(c *cli.Context) error {
+		cfg, cfgErr = serverConfig(c, zap.NewNop())
+		return nil
+	}
+	err := app.Run([]string{"etcd-snapcache", "serve", "--endpoints", "http://127.0.0.1:2379",
+		"--client-crl-file", t.TempDir() + "/revoke.crl", "--advertise-client-url", ""})
+	if err != nil || cfgErr != nil {
+		t.Fatalf("a CRL without serving TLS: %v, %v", err, cfgErr)
+	}
+	if !cfg.ForwardMemberList || len(cfg.AdvertiseClientURLs) != 0 {
+		t.Fatalf("--advertise-client-url '': ForwardMemberList %v, URLs %q", cfg.ForwardMemberList, cfg.AdvertiseClientURLs)
 	}
 }
