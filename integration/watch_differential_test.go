@@ -34,7 +34,9 @@ var (
 // fragment; client-chosen and duplicate ids; refused creates (inverted or
 // empty range, negative start revision); cancels, of a known and an
 // unknown id.
-func TestWatchDifferentialCreateOptions(t *testing.T) { testWatchDifferentialCreateOptions(t, clusterOptions{}) }
+func TestWatchDifferentialCreateOptions(t *testing.T) {
+	testWatchDifferentialCreateOptions(t, clusterOptions{})
+}
 
 func testWatchDifferentialCreateOptions(t *testing.T, opts clusterOptions) {
 	c := newCluster(t, opts)
@@ -158,7 +160,9 @@ func cancelsAtLeast(n int) func([]*pb.WatchResponse) bool {
 // must show its DELETE to a watch from that revision (etcd bug #18089); a
 // watch from the revision before is created, then canceled with
 // compact_revision; a watch live across a compaction is not disturbed.
-func TestWatchDifferentialCompaction(t *testing.T) { testWatchDifferentialCompaction(t, clusterOptions{}) }
+func TestWatchDifferentialCompaction(t *testing.T) {
+	testWatchDifferentialCompaction(t, clusterOptions{})
+}
 
 func testWatchDifferentialCompaction(t *testing.T, opts clusterOptions) {
 	c := newCluster(t, opts)
