@@ -250,7 +250,7 @@ func startProxy(t testing.TB, name, upstream string, extra ...string) *proxyProc
 
 // metric returns the value of an unlabelled etcd_snapcache_ metric.
 func (px *proxyProc) metric(name string) (float64, error) {
-	resp, err := plainHTTP.Get("http://" + px.metricsAddr + "/metrics")
+	resp, err := plainHTTP.Get("http://" + px.metricsAddr + "/proxy/metrics")
 	if err != nil {
 		return 0, err
 	}
@@ -273,7 +273,7 @@ func (px *proxyProc) metric(name string) (float64, error) {
 // metricLines returns the proxy's metric lines whose name starts with
 // etcd_snapcache_<prefix>, without comments.
 func (px *proxyProc) metricLines(prefix string) ([]string, error) {
-	resp, err := plainHTTP.Get("http://" + px.metricsAddr + "/metrics")
+	resp, err := plainHTTP.Get("http://" + px.metricsAddr + "/proxy/metrics")
 	if err != nil {
 		return nil, err
 	}
