@@ -1,4 +1,4 @@
-package authcache
+package authcache_test
 
 import (
 	"context"
@@ -16,6 +16,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/etcd-snapcache/etcd-snapcache/authcache"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
@@ -108,14 +109,14 @@ func TestCheckerMatchesEtcd(t *testing.T) {
 	must(admin.AuthEnable(ctx))
 
 	root := dial(t, ep, "root", "rootpw")
-	snap, err := Fetch(ctx, pb.NewAuthClient(root.ActiveConnection()))
+	snap, err := authcache.Fetch(ctx, pb.NewAuthClient(root.ActiveConnection()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if !snap.Enabled || snap.Revision == 0 || len(snap.Users) != len(users)+1 {
 		t.Fatalf("snapshot: enabled %v, revision %d, %d users", snap.Enabled, snap.Revision, len(snap.Users))
 	}
-	c, err := NewChecker(snap)
+	c, err := authcache.NewChecker(snap)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -133,7 +134,7 @@ func TestCheckerMatchesEtcd(t *testing.T) {
 	compared := 0
 	for user, cli := range callers {
 		kv := pb.NewKVClient(cli.ActiveConnection())
-		id := Identity{User: user}
+		id := authcache.Identity{User: user}
 		for range 60 {
 			key, end := randRange(r)
 			_, etcdErr := kv.Range(ctx, &pb.RangeRequest{Key: key, RangeEnd: end, Serializable: true})
@@ -150,7 +151,7 @@ func TestCheckerMatchesEtcd(t *testing.T) {
 	t.Logf("%d requests by %d callers compared", compared, len(callers))
 
 	// An identity from before an auth change gets etcd's old-revision error.
-	if err := c.CheckRange(Identity{User: "u0", Revision: snap.Revision - 1}, []byte("a"), nil); status.Convert(err).Message() != "etcdserver: revision of auth store is old" {
+	if err := c.CheckRange(authcache.Identity{User: "u0", Revision: snap.Revision - 1}, []byte("a"), nil); status.Convert(err).Message() != "etcdserver: revision of auth store is old" {
 		t.Fatalf("an old auth revision: %v", err)
 	}
 }
@@ -158,11 +159,11 @@ func TestCheckerMatchesEtcd(t *testing.T) {
 // TestCheckerAuthDisabled: with auth disabled every request is allowed, an
 // anonymous one included, as in etcd.
 func TestCheckerAuthDisabled(t *testing.T) {
-	c, err := NewChecker(Snapshot{Enabled: false, Revision: 1})
+	c, err := authcache.NewChecker(authcache.Snapshot{Enabled: false, Revision: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, id := range []Identity{{}, {User: "nobody"}} {
+	for _, id := range []authcache.Identity{{}, {User: "nobody"}} {
 		if err := c.CheckRange(id, []byte("a"), []byte{0}); err != nil {
 			t.Errorf("%v: %v", id, err)
 		}

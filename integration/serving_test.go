@@ -171,7 +171,12 @@ func TestTLSBothWays(t *testing.T) {
 	}
 }
 
-type testPKI struct{ ca, serverCert, serverKey, clientCert, clientKey string }
+type testPKI struct {
+	ca, serverCert, serverKey, clientCert, clientKey string
+	// client issues a client certificate with the given common name and
+	// returns its certificate and key files.
+	client func(commonName string) (cert, key string)
+}
 
 // newTestPKI writes a CA, a server certificate for 127.0.0.1 and a client
 // certificate with common name "client", all signed by the CA, into dir.
@@ -215,5 +220,10 @@ func newTestPKI(t *testing.T, dir string) testPKI {
 	// too: grpc-proxy and the proxy present it to themselves.
 	p.serverCert, p.serverKey = leaf("server", 2, x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth)
 	p.clientCert, p.clientKey = leaf("client", 3, x509.ExtKeyUsageClientAuth)
+	serial := int64(3)
+	p.client = func(cn string) (string, string) {
+		serial++
+		return leaf(cn, serial, x509.ExtKeyUsageClientAuth)
+	}
 	return p
 }

@@ -119,6 +119,10 @@ type Config struct {
 	// Inconsistent, if set, reports that every read must go to etcd: the
 	// consistency checker found the store inconsistent.
 	Inconsistent func() bool
+	// Authorize, if set, is etcd's permission check of a read of
+	// [key, rangeEnd) by the caller of ctx: a non-nil error is etcd's
+	// refusal, answered as it is.
+	Authorize func(ctx context.Context, key, rangeEnd []byte) error
 }
 
 // Server implements etcdserverpb.KVServer.
@@ -134,6 +138,7 @@ type Server struct {
 	fresh        time.Duration
 	fallback     ConsistentReadFallback
 	inconsistent func() bool
+	authorize    func(ctx context.Context, key, rangeEnd []byte) error
 	forwards     chan struct{} // semaphore of reads in flight to etcd
 	releases     releaseCache
 }
@@ -157,6 +162,9 @@ func New(cfg Config) *Server {
 	if cfg.Inconsistent == nil {
 		cfg.Inconsistent = func() bool { return false }
 	}
+	if cfg.Authorize == nil {
+		cfg.Authorize = func(context.Context, []byte, []byte) error { return nil }
+	}
 	return &Server{
 		store:        cfg.Store,
 		follower:     cfg.Follower,
@@ -167,6 +175,7 @@ func New(cfg Config) *Server {
 		fresh:        cfg.FreshnessTimeout,
 		fallback:     cfg.ConsistentReadFallback,
 		inconsistent: cfg.Inconsistent,
+		authorize:    cfg.Authorize,
 		forwards:     make(chan struct{}, cfg.MaxForwardedReads),
 	}
 }
@@ -178,6 +187,11 @@ func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeRespon
 		return nil, err
 	}
 	if err := checkRangeRequest(r); err != nil {
+		return nil, err
+	}
+	// etcd's handler validates, then checks permissions.
+	if err := s.authorize(ctx, r.Key, r.RangeEnd); err != nil {
+		s.m.observe(sourceRejected, reasonAuth)
 		return nil, err
 	}
 	rules := s.rules()

@@ -25,7 +25,7 @@ const (
 	reasonWaited       reason = "waited"       // after the cache reached the revision
 
 	// Forwarded to etcd.
-	reasonAuth           reason = "auth"            // carries a token: etcd checks it
+	reasonAuth           reason = "auth"            // forwarded: carries a token, etcd checks it; rejected: etcd's permission refusal
 	reasonInconsistent   reason = "inconsistent"    // the consistency check failed
 	reasonNotRetained    reason = "not_retained"    // older than the cache's history
 	reasonAhead          reason = "ahead"           // the cache did not reach the revision in time

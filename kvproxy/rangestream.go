@@ -34,6 +34,10 @@ func (s *Server) RangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServ
 	if err := checkRangeStreamRequest(r); err != nil {
 		return err
 	}
+	if err := s.authorize(ctx, r.Key, r.RangeEnd); err != nil {
+		s.m.observe(sourceRejected, reasonAuth)
+		return err
+	}
 	rules := s.rules()
 	var rt route
 	switch {

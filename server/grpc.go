@@ -39,8 +39,8 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	}
 	serverMetrics := grpcprom.NewServerMetrics(mopts...)
 	s.registry.MustRegister(serverMetrics)
-	unary := []grpc.UnaryServerInterceptor{serverMetrics.UnaryServerInterceptor()}
-	stream := []grpc.StreamServerInterceptor{serverMetrics.StreamServerInterceptor()}
+	unary := []grpc.UnaryServerInterceptor{serverMetrics.UnaryServerInterceptor(), s.gateUnary}
+	stream := []grpc.StreamServerInterceptor{serverMetrics.StreamServerInterceptor(), s.gateStream}
 	if s.cfg.EnableGRPCLogging {
 		unary = append(unary, interceptors.UnaryServerInterceptor(payloadLogger(s.lg.Named("grpc"))))
 		stream = append(stream, interceptors.StreamServerInterceptor(payloadLogger(s.lg.Named("grpc"))))
@@ -84,6 +84,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		ConsistentReadFallback: s.cfg.ConsistentReadFallback,
 		MaxForwardedReads:      s.cfg.MaxForwardedReads,
 		Inconsistent:           s.checker.Fallback,
+		Authorize:              s.authorizeRead,
 	}))
 	s.watch = watchproxy.New(watchproxy.Config{
 		Store:                  s.store,
@@ -92,6 +93,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		ProgressNotifyInterval: s.cfg.WatchProgressNotifyInterval,
 		FragmentBytes:          s.cfg.MaxRequestBytes + grpcOverheadBytes,
 		Inconsistent:           s.checker.Fallback,
+		Authorize:              s.authorizeRead,
 		Logger:                 s.lg.Named("watch"),
 		Metrics:                watchproxy.NewMetrics(s.registry),
 	})

@@ -25,6 +25,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/proxy/grpcproxy"
 
+	"github.com/etcd-snapcache/etcd-snapcache/authcache"
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
@@ -90,6 +91,10 @@ type Config struct {
 	AutoTLS                bool
 	DataDir                string
 	SelfSignedCertValidity uint
+	// User and Password are the proxy's own identity in etcd, for its load,
+	// watch, probes, consistency check and auth mirror (etcdctl's --user
+	// and --password). Requests forwarded for callers never carry it.
+	User, Password string
 	// UpstreamTLS secures the connection to etcd when any file is set;
 	// InsecureSkipTLSVerify skips verifying etcd's certificate.
 	UpstreamTLS           transport.TLSInfo
@@ -201,14 +206,19 @@ func (cfg Config) withDefaults() Config {
 
 // Server is a running etcd-snapcache.
 type Server struct {
-	cfg      Config
-	lg       *zap.Logger
-	tls      *transport.TLSInfo // the client port's TLS; nil: plaintext
-	client   *clientv3.Client   // of the upstream etcd
-	self     *clientv3.Client   // of the proxy's own API, for /proxy/health
-	store    *revtree.Store
-	follower *progress.Follower
-	registry *prometheus.Registry
+	cfg    Config
+	lg     *zap.Logger
+	tls    *transport.TLSInfo // the client port's TLS; nil: plaintext
+	client *clientv3.Client   // of the upstream etcd, for callers' requests: no identity of its own
+	own    *clientv3.Client   // of the upstream etcd, as the proxy itself (User); client if none
+	self   *clientv3.Client   // of the proxy's own API, for /proxy/health
+	// upstreamCN is the common name of the proxy's upstream client
+	// certificate: etcd with --client-cert-auth takes it for a user.
+	upstreamCN string
+	authMirror *authcache.Mirror
+	store      *revtree.Store
+	follower   *progress.Follower
+	registry   *prometheus.Registry
 
 	grpcServer  *grpc.Server
 	clientLis   net.Listener // gRPC and HTTP
@@ -243,9 +253,12 @@ func Start(cfg Config) (*Server, error) {
 	if s.tls, err = s.servingTLS(); err != nil {
 		return nil, err
 	}
+	if s.upstreamCN, err = certCommonName(cfg.UpstreamTLS.CertFile); err != nil {
+		return nil, fmt.Errorf("--cert: %w", err)
+	}
 	clientMetrics := grpcprom.NewClientMetrics()
 	s.registry.MustRegister(clientMetrics)
-	if s.client, err = s.dialUpstream(clientMetrics); err != nil {
+	if s.client, err = s.dialUpstream(clientMetrics, "", ""); err != nil {
 		return nil, err
 	}
 	ok := false
@@ -254,10 +267,17 @@ func Start(cfg Config) (*Server, error) {
 			s.closeAll()
 		}
 	}()
+	s.own = s.client
+	if cfg.User != "" {
+		if s.own, err = s.dialUpstream(clientMetrics, cfg.User, cfg.Password); err != nil {
+			return nil, err
+		}
+	}
+	s.authMirror = authcache.NewMirror(pb.NewAuthClient(s.own.ActiveConnection()), s.authEnabledProbe(), s.lg.Named("auth"), 0)
 
 	s.store = revtree.New(cfg.BTreeDegree)
 	s.follower = progress.New(progress.Config{
-		Client:                  s.client,
+		Client:                  s.own,
 		Store:                   s.store,
 		Logger:                  s.lg.Named("follower"),
 		Metrics:                 progress.NewMetrics(s.registry),
@@ -269,7 +289,7 @@ func Start(cfg Config) (*Server, error) {
 	s.checker = hashcheck.New(hashcheck.Config{
 		Store:      s.store,
 		Follower:   s.follower,
-		Upstream:   pb.NewKVClient(s.client.ActiveConnection()),
+		Upstream:   pb.NewKVClient(s.own.ActiveConnection()),
 		Interval:   cfg.ConsistencyCheckInterval,
 		Logger:     s.lg.Named("hashcheck"),
 		Registerer: s.registry,
@@ -319,6 +339,7 @@ func Start(cfg Config) (*Server, error) {
 		s.run(func() { s.checker.Run(ctx) })
 	}
 	s.run(func() { s.follower.Run(ctx) })
+	s.run(func() { s.authMirror.Run(ctx) })
 	s.run(func() {
 		select {
 		case <-s.follower.Ready():
@@ -384,7 +405,7 @@ func (s *Server) newHTTPEndpoints() (httpEndpoints, error) {
 	return httpEndpoints{
 		lg:           s.lg.Named("http"),
 		gatherer:     s.registry,
-		upstream:     s.client,
+		upstream:     s.own,
 		upstreamHTTP: &http.Client{Transport: &http.Transport{TLSClientConfig: tlsCfg}, Timeout: 10 * time.Second},
 		upstreamEPs:  s.client.Endpoints(),
 		self:         s.self,
@@ -491,6 +512,9 @@ func (s *Server) closeAll() {
 	s.wg.Wait()
 	if s.self != nil {
 		s.self.Close()
+	}
+	if s.own != nil && s.own != s.client {
+		s.own.Close()
 	}
 	s.client.Close()
 	for _, done := range s.clientDone {

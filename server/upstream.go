@@ -34,14 +34,15 @@ func ClientTLSConfig(info transport.TLSInfo, insecureSkipVerify bool) (*tls.Conf
 	return cfg, nil
 }
 
-// dialUpstream returns the client of the upstream etcd. Its calls carry the
-// caller's token and hasleader metadata, and are counted in grpc_client_*.
-func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics) (*clientv3.Client, error) {
+// dialUpstream returns a client of the upstream etcd, authenticated as user
+// if one is given. Its calls carry the caller's token and hasleader
+// metadata, and are counted in grpc_client_*.
+func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, password string) (*clientv3.Client, error) {
 	tlsCfg, err := ClientTLSConfig(s.cfg.UpstreamTLS, s.cfg.InsecureSkipTLSVerify)
 	if err != nil {
 		return nil, fmt.Errorf("upstream TLS: %w", err)
 	}
-	if s.cfg.InsecureSkipTLSVerify {
+	if s.cfg.InsecureSkipTLSVerify && user == "" {
 		s.lg.Warn("--insecure-skip-tls-verify was given: the upstream's TLS certificate is not verified; use it only for testing")
 	}
 	client, err := clientv3.New(clientv3.Config{
@@ -52,6 +53,8 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics) (*clientv3.
 		DialKeepAliveTimeout: s.cfg.DialKeepAliveTimeout,
 		PermitWithoutStream:  s.cfg.PermitWithoutStream,
 		TLS:                  tlsCfg,
+		Username:             user,
+		Password:             password,
 		Logger:               s.lg.Named("upstream"),
 		DialOptions: []grpc.DialOption{
 			// The raw stubs used here do not get clientv3's

@@ -75,8 +75,12 @@ type Config struct {
 	// Inconsistent, if set, reports that new streams must be relayed to
 	// etcd: the consistency checker found the store inconsistent.
 	Inconsistent func() bool
-	Logger       *zap.Logger
-	Metrics      *Metrics
+	// Authorize, if set, is etcd's permission check of a watch of
+	// [key, rangeEnd) by the stream's caller: a non-nil error refuses the
+	// create, as etcd refuses it.
+	Authorize func(ctx context.Context, key, rangeEnd []byte) error
+	Logger    *zap.Logger
+	Metrics   *Metrics
 }
 
 // Server implements etcdserverpb.WatchServer.
@@ -87,6 +91,7 @@ type Server struct {
 	follower     Follower
 	upstream     pb.WatchClient
 	inconsistent func() bool
+	authorize    func(ctx context.Context, key, rangeEnd []byte) error
 	interval     time.Duration
 	followEtcd   bool // periodic progress ticks with etcd's (interval is then the fallback)
 	maxBytes     int
@@ -116,11 +121,15 @@ func New(cfg Config) *Server {
 	if cfg.Inconsistent == nil {
 		cfg.Inconsistent = func() bool { return false }
 	}
+	if cfg.Authorize == nil {
+		cfg.Authorize = func(context.Context, []byte, []byte) error { return nil }
+	}
 	return &Server{
 		store:        cfg.Store,
 		follower:     cfg.Follower,
 		upstream:     cfg.Upstream,
 		inconsistent: cfg.Inconsistent,
+		authorize:    cfg.Authorize,
 		interval:     cfg.ProgressNotifyInterval,
 		followEtcd:   followEtcd,
 		maxBytes:     cfg.FragmentBytes,

@@ -54,6 +54,9 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "discovery-srv", Category: catUpstream, Usage: "domain name to query for SRV records describing the cluster's endpoints"},
 			&cli.StringFlag{Name: "discovery-srv-name", Category: catUpstream, Usage: "service name to query when using DNS discovery"},
 			&cli.BoolFlag{Name: "insecure-discovery", Category: catUpstream, Usage: "accept SRV records without validating the endpoints' TLS"},
+			&cli.StringFlag{Name: "user", Category: catUpstream, EnvVars: []string{"ETCD_SNAPCACHE_USER"},
+				Usage: "the proxy's own etcd user, name:password or name with --password (etcdctl's forms), for its load, watch and auth mirror; never lent to callers"},
+			&cli.StringFlag{Name: "password", Category: catUpstream, EnvVars: []string{"ETCD_SNAPCACHE_PASSWORD"}, Usage: "password of --user"},
 			&cli.StringFlag{Name: "cacert", Category: catUpstream, Usage: "verify the upstream's certificate with this CA bundle"},
 			&cli.StringFlag{Name: "cert", Category: catUpstream, Usage: "client certificate for the upstream (a common name is allowed)"},
 			&cli.StringFlag{Name: "key", Category: catUpstream, Usage: "client key for the upstream"},
@@ -209,6 +212,10 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 	if err := checkResolver(c); err != nil {
 		return server.Config{}, err
 	}
+	user, password, err := userFlags(c)
+	if err != nil {
+		return server.Config{}, err
+	}
 	metrics := c.String("metrics")
 	if metrics != server.MetricsBasic && metrics != server.MetricsExtensive {
 		return server.Config{}, fmt.Errorf("--metrics %q: want basic or extensive", metrics)
@@ -237,6 +244,8 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 		AutoTLS:                     c.Bool("auto-tls"),
 		DataDir:                     c.String("data-dir"),
 		SelfSignedCertValidity:      c.Uint("self-signed-cert-validity"),
+		User:                        user,
+		Password:                    password,
 		UpstreamTLS:                 upstreamTLS,
 		InsecureSkipTLSVerify:       c.Bool("insecure-skip-tls-verify"),
 		DialTimeout:                 c.Duration("dial-timeout"),
@@ -412,6 +421,26 @@ func servingTLSInfo(c *cli.Context) (transport.TLSInfo, error) {
 		info.CipherSuites = cs
 	}
 	return info, nil
+}
+
+// userFlags reads --user and --password as etcdctl does: name:password, or
+// a name with --password. There is no prompt: a proxy runs unattended.
+func userFlags(c *cli.Context) (user, password string, err error) {
+	user = c.String("user")
+	if user == "" {
+		if c.String("password") != "" {
+			return "", "", errors.New("--password: given without --user")
+		}
+		return "", "", nil
+	}
+	if c.IsSet("password") {
+		return user, c.String("password"), nil
+	}
+	name, pw, ok := strings.Cut(user, ":")
+	if !ok || name == "" {
+		return "", "", errors.New("--user: want name:password, or a name with --password")
+	}
+	return name, pw, nil
 }
 
 // checkResolver is grpc-proxy's rule: a resolver prefix and a positive TTL
