@@ -17,7 +17,7 @@ BENCHTIME    ?= 2s
 # them.
 TEST_TAGS    ?= snapcachetest
 
-.PHONY: all build run test vet bench clean tools tools-etcd tools-kube integration integration-clients
+.PHONY: all build run test vet bench clean tools tools-etcd tools-kube integration integration-clients integration-e2e
 
 all: build
 
@@ -52,10 +52,16 @@ tools-kube:
 # End-to-end suites with real clients as separate processes: a script of
 # etcdctl commands against etcd and against the proxy, and an unmodified
 # kube-apiserver using the proxy (watch cache off and on).
-integration: integration-clients
+integration: integration-clients integration-e2e
 
 integration-clients: build tools
 	cd integration/clients && $(GO) vet ./... && $(GO) test -count=1 -timeout 30m ./...
+
+# etcd's own e2e tests (go.etcd.io/etcd/tests/v3, cluster_proxy mode) with
+# etcd-snapcache started by the framework's unmodified `etcd grpc-proxy start`
+# command lines (integration/e2e, its own module; about 4 minutes on 2 cores).
+integration-e2e: build tools-etcd
+	cd integration/e2e && $(GO) vet -tags cluster_proxy ./... && ./run.sh
 
 # Benchmarks: the store alone, and the proxy beside direct etcd in one run.
 bench:

@@ -66,9 +66,16 @@ func (m *Mirror) poll(ctx context.Context) {
 	m.mu.Lock()
 	known, enabled := m.known, m.enabled
 	m.mu.Unlock()
-	if m.enabledProbe != nil && known && !enabled {
-		if on, err := m.enabledProbe(ctx); err != nil || !on {
-			return // still disabled, or unknown: try again at the next poll
+	if m.enabledProbe != nil && (!known || !enabled) {
+		on, err := m.enabledProbe(ctx)
+		if err != nil {
+			return // unknown: try again at the next poll
+		}
+		if !on {
+			m.mu.Lock()
+			m.known, m.enabled = true, false
+			m.mu.Unlock()
+			return
 		}
 	}
 	st, err := m.ac.AuthStatus(ctx, &pb.AuthStatusRequest{})

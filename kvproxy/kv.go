@@ -80,6 +80,8 @@ type Follower interface {
 	FillHeader(h *pb.ResponseHeader)
 	// ObserveHeader records an upstream response's header.
 	ObserveHeader(h *pb.ResponseHeader)
+	// HeadSeen is the highest revision etcd has reported to the proxy.
+	HeadSeen() int64
 	// ObserveCompaction mirrors a compaction etcd acknowledged.
 	ObserveCompaction(rev int64, source string)
 	// UpstreamVersion is etcd's release, "" while unknown.

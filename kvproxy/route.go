@@ -63,10 +63,13 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRul
 	}
 	why, need := reasonHistorical, r.Revision
 	if r.Revision <= 0 {
-		// etcd's head is never below its compaction revision; the
-		// store's may be, briefly, when it learns of a compaction before
-		// its watch delivers that revision.
-		why, need = reasonSerializable, s.store.CompactRev()
+		// A serializable read at the head is answered at a revision no
+		// lower than any etcd has reported to the proxy, so that a client
+		// reads its own writes and never goes back in time through it:
+		// etcd's member does not answer below what it has acknowledged.
+		// That also covers etcd's compaction revision, which the store
+		// may learn before its watch delivers that revision.
+		why, need = reasonSerializable, max(s.store.CompactRev(), s.follower.HeadSeen())
 	}
 	if s.store.Rev() < need {
 		wctx, cancel := context.WithTimeout(ctx, s.wait)

@@ -38,6 +38,7 @@ type fakeFollower struct {
 	serving    bool
 	version    string
 	leaderLost bool
+	headSeen   int64
 	// fence and waitRevision replace Fence and WaitRevision when set.
 	fence        func(ctx context.Context, rev int64) (int64, error)
 	waitRevision func(ctx context.Context, rev int64) error
@@ -78,6 +79,7 @@ func (f *fakeFollower) ObserveHeader(h *pb.ResponseHeader) {
 }
 
 func (f *fakeFollower) ObserveCompaction(int64, string) {}
+func (f *fakeFollower) HeadSeen() int64                 { return f.headSeen }
 func (f *fakeFollower) UpstreamVersion() string         { return f.version }
 func (f *fakeFollower) LeaderLost() (bool, <-chan struct{}) {
 	return f.leaderLost, nil
@@ -661,5 +663,24 @@ func TestRangeNoLeaderRefusedBeforeValidation(t *testing.T) {
 	}
 	if c := e.upstream.calls(); c != 0 {
 		t.Fatalf("etcd was asked %d times, want 0", c)
+	}
+}
+
+// TestSerializableReadNeverBelowHeadSeen: a serializable read at the head
+// is answered at a revision no lower than any etcd reported to the proxy (a
+// write acknowledged through it): it waits for the store to get there, or
+// goes to etcd. Etcd's own e2e tests read their writes this way.
+func TestSerializableReadNeverBelowHeadSeen(t *testing.T) {
+	e := newRouteEnv(t)
+	e.follower.headSeen = 14 // acknowledged, not yet applied
+	s := New(e.cfg)
+	rt := s.route(context.Background(), &pb.RangeRequest{Key: []byte("a"), Serializable: true}, rulesFor("3.7.3"))
+	if rt.action != forward || rt.reason != reasonAhead {
+		t.Fatalf("store at 13, etcd acknowledged 14: %v %s, want forwarded (ahead)", rt.action, rt.reason)
+	}
+	applyPut(t, e.store, 14, "a", 5)
+	rt = s.route(context.Background(), &pb.RangeRequest{Key: []byte("a"), Serializable: true}, rulesFor("3.7.3"))
+	if rt.action != serveFromCache || rt.view.StoreRev != 14 {
+		t.Fatalf("store at 14: %v %s at %d, want served at 14", rt.action, rt.reason, rt.view.StoreRev)
 	}
 }

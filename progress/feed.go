@@ -62,7 +62,12 @@ func (f *Follower) feed(ctx context.Context) {
 			f.loading.Store(false)
 			f.readyAt(target)
 		}
-		err := f.follow(ctx, bo)
+		err := f.follow(ctx, bo, true)
+		if errors.Is(err, errBehindHead) && ctx.Err() == nil {
+			// etcd moved on since the store's revision: follow from
+			// there, as an unsynced watcher that etcd catches up.
+			err = f.follow(ctx, bo, false)
+		}
 		if ctx.Err() != nil {
 			break
 		}
@@ -160,14 +165,24 @@ func (f *Follower) takeReloadReason() string {
 	return reason
 }
 
+// errBehindHead ends a watch created at etcd's head when that head is past
+// the store's revision: its events would leave a gap.
+var errBehindHead = errors.New("etcd's head is past the store's revision")
+
 // follow runs one upstream watch until it breaks. It returns a
 // *reloadError when resuming is impossible.
 //
-// The watch starts at the store's revision, not the next one: etcd drops
-// every progress request on a stream whose watcher starts beyond its head,
-// which an idle etcd's head + 1 would be. That revision comes back as a
-// duplicate and is skipped.
-func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff) error {
+// With fromHead, the watch starts at etcd's head (start revision 0), which
+// etcd counts as synced: it delivers events at once, answers progress
+// requests, and a compaction cannot cancel it. That is right only if the
+// head is the store's revision, which the created response tells (etcd
+// reads its revision after registering the watcher); otherwise follow
+// returns errBehindHead. Without fromHead, the watch starts at the store's
+// revision, not the next one, because etcd drops every progress request on
+// a stream whose watcher starts beyond its head; etcd catches that
+// unsynced watcher up within its sync interval (100 ms), and the store's
+// own revision comes back as a duplicate and is skipped.
+func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead bool) error {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
 	f.mu.Lock()
@@ -188,11 +203,14 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff) error {
 	if err != nil {
 		return fmt.Errorf("opening the upstream watch: %w", err)
 	}
-	startRev := f.store.Rev()
+	startRev, createRev := f.store.Rev(), f.store.Rev()
+	if fromHead {
+		createRev = 0
+	}
 	err = stream.Send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CreateRequest{CreateRequest: &pb.WatchCreateRequest{
 		Key:            wholeKey,
 		RangeEnd:       wholeRangeEnd,
-		StartRevision:  startRev,
+		StartRevision:  createRev,
 		ProgressNotify: true,
 	}}})
 	if err != nil {
@@ -242,11 +260,13 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff) error {
 			return &reloadError{reason: "compacted", err: fmt.Errorf("watch from revision %d canceled: compacted at %d", startRev, resp.CompactRevision)}
 		case resp.Canceled:
 			return fmt.Errorf("upstream watch canceled: %s", resp.CancelReason)
+		case resp.Created && fromHead && resp.Header.Revision > startRev:
+			return errBehindHead
 		case resp.Created:
 			f.following.Store(true)
 			f.leader.found()
 			bo.Reset()
-			f.lg.Info("following etcd", zap.Int64("start-revision", startRev))
+			f.lg.Info("following etcd", zap.Int64("store-revision", startRev), zap.Bool("from-head", fromHead))
 			// The member that answers may run another release now.
 			f.version.reconnected()
 			// The created response promises nothing about revisions: a

@@ -182,6 +182,11 @@ func (f *Follower) FillHeader(h *pb.ResponseHeader) { f.upstream.fill(h) }
 // response header.
 func (f *Follower) ObserveHeader(h *pb.ResponseHeader) { f.upstream.observe(h) }
 
+// HeadSeen is the highest revision any etcd answer has reported to the
+// proxy: a write acknowledged through it, a forwarded read, a probe. A read
+// served at a lower revision would show a client less than it has seen.
+func (f *Follower) HeadSeen() int64 { return f.upstream.head.Load() }
+
 // LeaderLost returns whether etcd has reported that it has no leader (and no
 // watch has been created since), and a channel closed when it next does.
 // Streams that require a leader end on it, as etcd ends them.

@@ -1,0 +1,197 @@
+#!/usr/bin/env bash
+# Runs a selection of etcd's own end-to-end tests in cluster_proxy mode with
+# etcd-snapcache as the grpc-proxy (see doc.go). From the repository root:
+# `make integration-e2e`, or this script once `make build tools-etcd` ran.
+#
+# The wrapper bin directory holds `etcd` (grpc-proxy start -> etcd-snapcache
+# serve, anything else -> the real etcd) and etcdctl. Each test package is
+# compiled once (go test -c, from this module) and each selected test runs
+# in a process of its own, in its package's directory as go test would: a
+# failed test leaves goroutines behind and etcd's leak check would skip every
+# later test of the same process.
+#
+# Output: one line per test (and per failed subtest); for each failed test,
+# its error lines and each proxy's last lines that are not info or debug
+# logs (the framework prints every line a spawned process writes when
+# EXPECT_DEBUG is set, prefixed with its pid; the wrapper records the
+# proxies' pids and command lines in $E2E_LOG_DIR/grpc-proxy.calls).
+# Full logs: $E2E_LOG_DIR/<package>/<test>.log.
+#
+# Environment:
+#   E2E_TESTS_ETCD    tests of go.etcd.io/etcd/tests/v3/e2e (default below)
+#   E2E_TESTS_COMMON  tests of go.etcd.io/etcd/tests/v3/common (default below)
+#   E2E_TESTS_LOCAL   tests of this package (default below)
+#   E2E_PROXY         snapcache (default), or etcd: the real `etcd grpc-proxy`,
+#                     to tell the framework's or the test's own failures from
+#                     etcd-snapcache's
+#   E2E_PROXY_ARGS    extra etcd-snapcache serve flags, after the framework's
+#                     (e.g. --log-level=debug)
+#   E2E_LOG_DIR       where logs go (default: a new temporary directory)
+#   E2E_TIMEOUT       -test.timeout of each test (default 5m)
+#   SNAPCACHE_BIN     the proxy binary (default bin/etcd-snapcache)
+#   TOOLS_BIN         where etcd and etcdctl are (default .tools/bin)
+set -uo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+snapcache=${SNAPCACHE_BIN:-$root/bin/etcd-snapcache}
+tools=${TOOLS_BIN:-$root/.tools/bin}
+timeout=${E2E_TIMEOUT:-5m}
+proxy=${E2E_PROXY:-snapcache}
+
+# go.etcd.io/etcd/tests/v3/e2e. testCtl runs one member unless withQuorum.
+#  - the five TLS configurations, one test each: LeaseKeepAlive{,NoTLS,
+#    ClientTLS,ClientAutoTLS,PeerTLS} and MemberUpdate{,NoTLS,ClientTLS,
+#    ClientAutoTLS,PeerTLS} (the bare name is PeerAutoTLS, testCtl's
+#    default); Watch{NoTLS,ClientTLS,PeerTLS}; GetFormat and GetRev
+#    (PeerAutoTLS); PutClientTLSFlagByEnv (ClientTLS);
+#  - GetRevokedCRL: ClientTLS with the member's --client-crl-file, which the
+#    proxy is given too; etcdctl's revoked certificate must be refused;
+#  - three members, three proxies: MoveLeaderScenarios (NoTLS, and ClientTLS
+#    with PeerTLS), TxnRangeConsistency (NoTLS), AuthEndpointHealth
+#    (PeerAutoTLS).
+default_etcd="TestCtlV3LeaseKeepAlive TestCtlV3LeaseKeepAliveNoTLS TestCtlV3LeaseKeepAliveClientTLS
+  TestCtlV3LeaseKeepAliveClientAutoTLS TestCtlV3LeaseKeepAlivePeerTLS
+  TestCtlV3MemberUpdate TestCtlV3MemberUpdateNoTLS TestCtlV3MemberUpdateClientTLS
+  TestCtlV3MemberUpdateClientAutoTLS TestCtlV3MemberUpdatePeerTLS
+  TestCtlV3WatchNoTLS TestCtlV3WatchClientTLS TestCtlV3WatchPeerTLS
+  TestCtlV3GetFormat TestCtlV3GetRev TestCtlV3PutClientTLSFlagByEnv TestCtlV3GetRevokedCRL
+  TestCtlV3MoveLeaderScenarios TestTxnRangeConsistency TestCtlV3AuthEndpointHealth"
+# go.etcd.io/etcd/tests/v3/common (-tags e2e): each over NoTLS (one member),
+# PeerTLS+ClientTLS and PeerAutoTLS+ClientAutoTLS (three members).
+default_common="TestKVPut TestKVGet TestWatch TestMemberList"
+# This package: etcd's e2e/watch_test.go, which cluster_proxy builds leave
+# out, copied (not TestResumeCompactionOnTombstone: it needs an etcd built
+# with gofail failpoints); then two tests of ours: --metrics-addr URLs on
+# three proxies, and a serializable read right after a write at start.
+#
+# Not in the default selection, a known difference: TestDeleteEventDrop_Issue18089
+# writes and compacts within milliseconds of the proxy's start and wants the
+# watch from the compaction revision answered within 100 ms. The proxy's
+# first watch, made while etcd already moved on, is one etcd catches up on
+# its 100 ms sync pass; the compaction cancels it first, the proxy reloads,
+# and the client's watch from 5 is caught up from etcd on the next pass.
+# The answer is etcd's, but late. Run it with E2E_TESTS_LOCAL=... .
+default_local="TestWatchDelayForPeriodicProgressNotification TestWatchDelayForManualProgressNotification
+  TestWatchDelayForEvent TestStartWatcherFromCompactedRevision
+  TestWatchWithLowPermissionUser TestGrpcProxyMetricsAddr TestSerializableReadAfterWriteAtStart"
+tests_etcd=${E2E_TESTS_ETCD-$default_etcd}
+tests_common=${E2E_TESTS_COMMON-$default_common}
+tests_local=${E2E_TESTS_LOCAL-$default_local}
+
+for f in "$snapcache" "$tools/etcd" "$tools/etcdctl"; do
+  [ -x "$f" ] || { echo "e2e: $f is missing: run make build tools-etcd" >&2; exit 2; }
+done
+
+logdir=${E2E_LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/snapcache-e2e.XXXXXX")}
+mkdir -p "$logdir"
+logdir=$(cd "$logdir" && pwd)
+wrapdir=$(mktemp -d "${TMPDIR:-/tmp}/snapcache-e2e-bin.XXXXXX")
+trap 'rm -rf "$wrapdir"' EXIT
+calls=$logdir/grpc-proxy.calls
+: > "$calls"
+
+# The wrapper. exec keeps the pid, so the framework's signals reach the proxy
+# and the lines it prints carry the pid recorded here.
+case $proxy in
+  snapcache) proxycmd="exec '$snapcache' serve \"\${@:3}\" ${E2E_PROXY_ARGS:-}" ;;
+  etcd) proxycmd="exec '$tools/etcd' \"\$@\"" ;;
+  *) echo "e2e: E2E_PROXY must be snapcache or etcd" >&2; exit 2 ;;
+esac
+cat > "$wrapdir/etcd" <<WRAP
+#!/usr/bin/env bash
+if [ "\${1:-}" = grpc-proxy ] && [ "\${2:-}" = start ]; then
+  printf '%s\t%s\n' "\$\$" "\${*:3}" >> '$calls'
+  $proxycmd
+fi
+exec '$tools/etcd' "\$@"
+WRAP
+chmod +x "$wrapdir/etcd"
+ln -s "$tools/etcdctl" "$wrapdir/etcdctl"
+if [ -x "$tools/etcdutl" ]; then ln -s "$tools/etcdutl" "$wrapdir/etcdutl"; fi
+
+etcde2e=$(cd "$here" && go list -tags cluster_proxy -f '{{.Dir}}' go.etcd.io/etcd/tests/v3/e2e) || exit 2
+fixtures=$(dirname "$etcde2e")/fixtures
+
+# report LOG TEST RC: the test's result lines; for a failure, its error lines
+# and the proxies' last lines.
+report() {
+  local log=$1 t=$2 rc=$3
+  if [ "$rc" -eq 0 ]; then
+    grep -E "^--- (PASS|SKIP): $t " "$log" || echo "--- PASS: $t (exit 0, no result line)"
+    grep -E "^--- SKIP: $t " -A3 "$log" | grep -vE '^--- ' | head -3 | sed 's/^/      /'
+    return
+  fi
+  grep -E "^--- FAIL: $t |^ +--- FAIL: " "$log" || echo "--- FAIL: $t (exit $rc, no result line: $(grep -E '^panic:|test timed out' "$log" | head -1))"
+  awk -v calls="$calls" -v pfx="      " '
+    BEGIN { while ((getline l < calls) > 0) { split(l, a, "\t"); proxy[a[1]] = 1 } }
+    match($0, /\([0-9]+\): /) {
+      pid = substr($0, RSTART + 1, RLENGTH - 4)
+      if (pid in proxy) {
+        if (!(pid in seen)) { seen[pid] = 1; order[++npid] = pid }
+        all[pid]++
+        if ($0 !~ /"level":"(info|debug)"/) { n[pid]++; pl[pid, n[pid] % 12] = substr($0, RSTART + RLENGTH) }
+      } else if ($0 ~ /^[^ ]*\/etcdctl \(/) {
+        # the last lines etcdctl printed (a command that printed nothing
+        # does not show: the framework then waits for its expected output)
+        c = $0; sub(/^[^ ]*\/etcdctl \([^ ]*\/etcdctl_/, "", c); gsub(/_/, " ", c)
+        sub(/\) \(/, " [pid ", c); sub(/\): /, "]: ", c)
+        nc++; cl[nc % 4] = c
+      }
+      next
+    }
+    /Generating read load|Got watch response|Changing working directory/ { next }
+    inerr && !/^ +\t/ { inerr = 0 }
+    /Error Trace:/ { inerr = 1 }
+    inerr || /^panic:|_test\.go:[0-9]+:|leaked/ { if (ne < 40) el[++ne] = $0 }
+    END {
+      print pfx "errors:"
+      for (i = 1; i <= ne; i++) print pfx "  " substr(el[i], 1, 400)
+      if (nc) print pfx "etcdctl: the last " (nc > 4 ? 4 : nc) " of " nc " output lines (command [pid]: output):"
+      for (i = (nc > 4 ? nc - 3 : 1); i <= nc; i++) print pfx "  " substr(cl[i % 4], 1, 300)
+      for (j = 1; j <= npid; j++) {
+        p = order[j]; s = n[p] > 12 ? n[p] - 11 : 1
+        print pfx "proxy pid " p ": " all[p] " lines, " (n[p] + 0) " not info or debug" (n[p] ? ", the last " (n[p] - s + 1) ":" : "")
+        for (i = s; i <= n[p]; i++) print pfx "  " substr(pl[p, i % 12], 1, 600)
+      }
+    }' "$log"
+}
+
+status=0 npass=0 nfail=0
+# runpkg NAME TAGS PKG "TESTS" [DIR]: each test in DIR (default: PKG's).
+runpkg() {
+  local name=$1 tags=$2 pkg=$3 tests=$4 dir=${5:-}
+  [ -n "${tests// /}" ] || return 0
+  local bin=$wrapdir/$name.test start=$SECONDS
+  mkdir -p "$logdir/$name"
+  echo "e2e: $pkg (-tags $tags)"
+  if ! (cd "$here" && go test -c -tags "$tags" -o "$bin" "$pkg") > "$logdir/$name/build.log" 2>&1; then
+    cat "$logdir/$name/build.log"; status=1; return
+  fi
+  [ -n "$dir" ] || dir=$(cd "$here" && go list -tags "$tags" -f '{{.Dir}}' "$pkg") || { status=1; return; }
+  for t in $tests; do
+    local log=$logdir/$name/$t.log rc=0
+    (cd "$dir" && EXPECT_DEBUG=1 "$bin" -test.v -test.count=1 -test.timeout "$timeout" \
+        -test.run "^$t\$" -bin-dir="$wrapdir") > "$log" 2>&1 || rc=$?
+    report "$log" "$t" "$rc"
+    if [ $rc -eq 0 ]; then npass=$((npass + 1)); else nfail=$((nfail + 1)); status=1; fi
+  done
+  echo "e2e: $pkg: $((SECONDS - start))s"
+}
+
+start=$SECONDS
+echo "e2e: grpc-proxy role: $proxy; logs in $logdir"
+runpkg etcd-e2e cluster_proxy go.etcd.io/etcd/tests/v3/e2e "$tests_etcd"
+runpkg etcd-common e2e,cluster_proxy go.etcd.io/etcd/tests/v3/common "$tests_common"
+runpkg local cluster_proxy . "$tests_local" "$etcde2e"
+
+nproxies=$(wc -l < "$calls")
+echo "e2e: $nproxies grpc-proxy processes; their command lines (data dirs and fixture paths abridged):"
+cut -f2 "$calls" | sed -E "s#$fixtures/#FIXTURES/#g; s#--data-dir [^ ]+#--data-dir DIR#; s#localhost:[0-9]+#localhost:PORT#g" |
+  sort | uniq -c | sort -rn | sed 's/^/  /'
+if [ "$nproxies" -eq 0 ]; then
+  echo "e2e: no grpc-proxy was started: nothing tested the proxy" >&2
+  status=1
+fi
+echo "e2e: $npass passed, $nfail failed, in $((SECONDS - start))s; logs in $logdir"
+exit $status
