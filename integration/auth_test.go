@@ -3,8 +3,6 @@ package integration
 import (
 	"context"
 	"crypto/tls"
-	"net/url"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -15,7 +13,6 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.etcd.io/etcd/server/v3/embed"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
@@ -50,7 +47,9 @@ func setUpAuth(t *testing.T, admin *clientv3.Client) {
 	}
 }
 
-func authClient(t *testing.T, ep, user, password string, tlsCfg *tls.Config) *clientv3.Client {
+// callerClient is a client of ep as one caller: a user with a password,
+// a TLS client certificate, both or neither.
+func callerClient(t *testing.T, ep, user, password string, tlsCfg *tls.Config) *clientv3.Client {
 	t.Helper()
 	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{ep}, Username: user, Password: password, TLS: tlsCfg, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
 	if err != nil {
@@ -97,14 +96,14 @@ func firstWatchResponse(t *testing.T, cli *clientv3.Client, cr *pb.WatchCreateRe
 func TestAuthPasswordIdentity(t *testing.T) {
 	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
 	etcdEP := "http://" + e.Clients[0].Addr().String()
-	setUpAuth(t, authClient(t, etcdEP, "", "", nil))
+	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
 	p := proxytest.StartProxy(t, server.Config{
 		Endpoints: []string{etcdEP}, ListenAddr: "127.0.0.1:0",
 		User: "root", Password: "rootpw",
 		Logger: zaptest.NewLogger(t),
 	})
 	proxyEP := "http://" + p.Addr()
-	root := authClient(t, etcdEP, "root", "rootpw", nil)
+	root := callerClient(t, etcdEP, "root", "rootpw", nil)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	head, err := root.Get(ctx, "/secret")
@@ -114,7 +113,7 @@ func TestAuthPasswordIdentity(t *testing.T) {
 	testsupport.WaitFor(t, waitTimeout, "the cache to reach etcd's revision", func() bool { return p.Store().Rev() >= head.Header.Revision })
 
 	for _, caller := range []struct{ user, password string }{{"", ""}, {"alice", "alicepw"}} {
-		direct, proxied := authClient(t, etcdEP, caller.user, caller.password, nil), authClient(t, proxyEP, caller.user, caller.password, nil)
+		direct, proxied := callerClient(t, etcdEP, caller.user, caller.password, nil), callerClient(t, proxyEP, caller.user, caller.password, nil)
 		for _, req := range []*pb.RangeRequest{
 			{Key: []byte("/secret")},
 			{Key: []byte("/secret"), Serializable: true},
@@ -168,30 +167,9 @@ func TestAuthCertificateIdentityNotLent(t *testing.T) {
 	rootCert, rootKey := pki.client("root")
 	aliceCert, aliceKey := pki.client("alice")
 
-	cfg := embed.NewConfig()
-	cfg.Dir = filepath.Join(dir, "etcd")
-	curl, _ := url.Parse("https://" + testsupport.FreeAddr(t))
-	purl, _ := url.Parse("http://" + testsupport.FreeAddr(t))
-	cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{*curl}, []url.URL{*curl}
-	cfg.ListenPeerUrls, cfg.AdvertisePeerUrls = []url.URL{*purl}, []url.URL{*purl}
-	cfg.InitialCluster = cfg.InitialClusterFromName(cfg.Name)
-	cfg.ClientTLSInfo = transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca, ClientCertAuth: true}
-	cfg.LogLevel = "error"
-	e, err := embed.StartEtcd(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(e.Close)
-	<-e.Server.ReadyNotify()
+	curl := startTLSEtcd(t, pki, dir)
 
-	tlsFor := func(cert, key string) *tls.Config {
-		c, err := transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: cert, KeyFile: key}.ClientConfig()
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c
-	}
-	setUpAuth(t, authClient(t, curl.String(), "", "", tlsFor(rootCert, rootKey)))
+	setUpAuth(t, callerClient(t, curl.String(), "", "", pki.tlsConfig(t, rootCert, rootKey)))
 	p := proxytest.StartProxy(t, server.Config{
 		Endpoints:   []string{curl.String()},
 		ListenAddr:  "127.0.0.1:0",
@@ -199,7 +177,7 @@ func TestAuthCertificateIdentityNotLent(t *testing.T) {
 		ServerTLS:   transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca},
 		Logger:      zaptest.NewLogger(t),
 	})
-	alice := authClient(t, "https://"+p.Addr(), "", "", tlsFor(aliceCert, aliceKey))
+	alice := callerClient(t, "https://"+p.Addr(), "", "", pki.tlsConfig(t, aliceCert, aliceKey))
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	kv := pb.NewKVClient(alice.ActiveConnection())
@@ -221,7 +199,7 @@ func TestAuthCertificateIdentityNotLent(t *testing.T) {
 	if _, err := alice.Delete(ctx, "/secret"); err == nil {
 		t.Error("alice's Delete of /secret ran as the proxy's identity")
 	}
-	root := authClient(t, curl.String(), "", "", tlsFor(rootCert, rootKey))
+	root := callerClient(t, curl.String(), "", "", pki.tlsConfig(t, rootCert, rootKey))
 	if got, err := root.Get(ctx, "/secret"); err != nil || len(got.Kvs) != 1 || string(got.Kvs[0].Value) != "s" {
 		t.Fatalf("/secret after alice's writes: %v, %v", got, err)
 	}

@@ -138,15 +138,7 @@ func TestTLSIdentityReachesHandlers(t *testing.T) {
 		GRPCServerOptions: []grpc.ServerOption{grpc.ChainUnaryInterceptor(record)},
 		Logger:            zaptest.NewLogger(t),
 	})
-	clientTLS, err := transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: pki.clientCert, KeyFile: pki.clientKey}.ClientConfig()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{"https://" + p.Addr()}, TLS: clientTLS, DialTimeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cli.Close()
+	cli := callerClient(t, "https://"+p.Addr(), "", "", pki.tlsConfig(t, pki.clientCert, pki.clientKey))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if _, err := cli.Get(ctx, "k", clientv3.WithSerializable()); err != nil {

@@ -110,21 +110,7 @@ func TestTLSBothWays(t *testing.T) {
 	dir := t.TempDir()
 	pki := newTestPKI(t, dir)
 
-	cfg := embed.NewConfig()
-	cfg.Dir = filepath.Join(dir, "etcd")
-	curl, _ := url.Parse("https://" + testsupport.FreeAddr(t))
-	purl, _ := url.Parse("http://" + testsupport.FreeAddr(t))
-	cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{*curl}, []url.URL{*curl}
-	cfg.ListenPeerUrls, cfg.AdvertisePeerUrls = []url.URL{*purl}, []url.URL{*purl}
-	cfg.InitialCluster = cfg.InitialClusterFromName(cfg.Name)
-	cfg.ClientTLSInfo = transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca, ClientCertAuth: true}
-	cfg.LogLevel = "error"
-	e, err := embed.StartEtcd(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(e.Close)
-	<-e.Server.ReadyNotify()
+	curl := startTLSEtcd(t, pki, dir)
 
 	p := proxytest.StartProxy(t, server.Config{
 		Endpoints:   []string{curl.String()},
@@ -134,15 +120,7 @@ func TestTLSBothWays(t *testing.T) {
 		Logger:      zaptest.NewLogger(t),
 	})
 
-	clientTLS, err := transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: pki.clientCert, KeyFile: pki.clientKey}.ClientConfig()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{"https://" + p.Addr()}, TLS: clientTLS, DialTimeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cli.Close()
+	cli := callerClient(t, "https://"+p.Addr(), "", "", pki.tlsConfig(t, pki.clientCert, pki.clientKey))
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	put, err := cli.Put(ctx, "tls", "yes")
@@ -169,6 +147,40 @@ func TestTLSBothWays(t *testing.T) {
 	if err == nil {
 		t.Fatal("a client without a certificate was served")
 	}
+}
+
+// startTLSEtcd starts an etcd that serves TLS with pki's server
+// certificate and requires client certificates signed by its CA
+// (--client-cert-auth), with its data under dir; it returns its client URL.
+func startTLSEtcd(t *testing.T, pki testPKI, dir string) *url.URL {
+	t.Helper()
+	cfg := embed.NewConfig()
+	cfg.Dir = filepath.Join(dir, "etcd")
+	curl, _ := url.Parse("https://" + testsupport.FreeAddr(t))
+	purl, _ := url.Parse("http://" + testsupport.FreeAddr(t))
+	cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{*curl}, []url.URL{*curl}
+	cfg.ListenPeerUrls, cfg.AdvertisePeerUrls = []url.URL{*purl}, []url.URL{*purl}
+	cfg.InitialCluster = cfg.InitialClusterFromName(cfg.Name)
+	cfg.ClientTLSInfo = transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca, ClientCertAuth: true}
+	cfg.LogLevel = "error"
+	e, err := embed.StartEtcd(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	<-e.Server.ReadyNotify()
+	return curl
+}
+
+// tlsConfig is a client TLS configuration that trusts the CA and presents
+// cert and key.
+func (p testPKI) tlsConfig(t *testing.T, cert, key string) *tls.Config {
+	t.Helper()
+	c, err := transport.TLSInfo{TrustedCAFile: p.ca, CertFile: cert, KeyFile: key}.ClientConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
 }
 
 type testPKI struct {

@@ -39,6 +39,12 @@ func (s *Server) authorizeRead(ctx context.Context, _, _ []byte) error {
 	if hasToken(ctx) {
 		return nil // forwarded: etcd checks the token
 	}
+	return s.anonymousRefusal()
+}
+
+// anonymousRefusal is etcd's answer to an anonymous caller of a request it
+// checks: "user name is empty" while auth is enabled, nothing otherwise.
+func (s *Server) anonymousRefusal() error {
 	enabled, known := s.authMirror.Enabled()
 	switch {
 	case !known:
@@ -74,14 +80,7 @@ func (s *Server) gate(ctx context.Context, method string) error {
 	if !s.lendsIdentity(method) || hasToken(ctx) {
 		return nil
 	}
-	enabled, known := s.authMirror.Enabled()
-	switch {
-	case !known:
-		return errAuthUnknown
-	case enabled:
-		return rpctypes.ErrGRPCUserEmpty
-	}
-	return nil
+	return s.anonymousRefusal()
 }
 
 func (s *Server) gateUnary(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {

@@ -5,7 +5,6 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
-	"crypto/rsa"
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
@@ -307,34 +306,8 @@ func TestDeploySidecar(t *testing.T) {
 
 	// --- kube-apiserver, with the manifest's --etcd-* flags.
 	dir := t.TempDir()
-	token := "e2e-" + strconv.FormatInt(time.Now().UnixNano(), 36)
-	writeFile(t, filepath.Join(dir, "tokens.csv"), token+`,admin,admin-uid,"system:masters"`+"\n")
-	key, err := rsa.GenerateKey(rand.Reader, 2048)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pub, err := x509.MarshalPKIXPublicKey(&key.PublicKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	writeFile(t, filepath.Join(dir, "sa.key"), string(pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)})))
-	writeFile(t, filepath.Join(dir, "sa.pub"), string(pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pub})))
+	args, port, token := kubeAPIServerSetup(t, dir, "https://"+listenAddr)
 	certDir := filepath.Join(dir, "certs")
-	port := testsupport.FreePorts(t, 1)[0]
-	args := []string{
-		"--etcd-servers=https://" + listenAddr,
-		fmt.Sprintf("--secure-port=%d", port),
-		"--bind-address=127.0.0.1",
-		"--advertise-address=127.0.0.1",
-		"--endpoint-reconciler-type=none",
-		"--cert-dir=" + certDir,
-		"--service-account-issuer=https://kubernetes.default.svc",
-		"--service-account-key-file=" + filepath.Join(dir, "sa.pub"),
-		"--service-account-signing-key-file=" + filepath.Join(dir, "sa.key"),
-		"--service-cluster-ip-range=10.0.0.0/24",
-		"--authorization-mode=RBAC",
-		"--token-auth-file=" + filepath.Join(dir, "tokens.csv"),
-	}
 	for _, f := range fileFlags[kubeC] {
 		args = append(args, "--"+f+"="+moved(mustFlag(t, kubeArgs, f)))
 	}

@@ -102,37 +102,12 @@ func startKube(t *testing.T, bins kubeBins, watchCache bool) *kubeEnv {
 	px := startProxy(t, "proxy", e.addr)
 
 	dir := t.TempDir()
-	token := "e2e-" + strconv.FormatInt(time.Now().UnixNano(), 36)
-	writeFile(t, filepath.Join(dir, "tokens.csv"), token+`,admin,admin-uid,"system:masters"`+"\n")
-	key, err := rsa.GenerateKey(rand.Reader, 2048)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pub, err := x509.MarshalPKIXPublicKey(&key.PublicKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	writeFile(t, filepath.Join(dir, "sa.key"), string(pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)})))
-	writeFile(t, filepath.Join(dir, "sa.pub"), string(pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pub})))
+	args, port, token := kubeAPIServerSetup(t, dir, px.url)
 	certDir := filepath.Join(dir, "certs")
-
-	port := testsupport.FreePorts(t, 1)[0]
-	args := []string{
-		"--etcd-servers=" + px.url,
-		fmt.Sprintf("--secure-port=%d", port),
-		"--bind-address=127.0.0.1",
-		"--advertise-address=127.0.0.1",
-		"--endpoint-reconciler-type=none",
-		"--cert-dir=" + certDir,
-		"--service-account-issuer=https://kubernetes.default.svc",
-		"--service-account-key-file=" + filepath.Join(dir, "sa.pub"),
-		"--service-account-signing-key-file=" + filepath.Join(dir, "sa.key"),
-		"--service-cluster-ip-range=10.0.0.0/24",
-		"--authorization-mode=RBAC",
-		"--token-auth-file=" + filepath.Join(dir, "tokens.csv"),
+	args = append(args,
 		fmt.Sprintf("--watch-cache=%v", watchCache),
 		"--v=2", // reflector and cacher messages the log scan looks for
-	}
+	)
 	start := time.Now()
 	kp := startProcess(t, "kube-apiserver", bins.kube, args)
 	k := &kubeEnv{
@@ -1153,4 +1128,39 @@ func (k *kubeEnv) scanLog() {
 	} else {
 		k.t.Logf("kube-apiserver's log (%d lines) is clean (the test's own compacted watch excepted: %v)", strings.Count(log, "\n"), seen)
 	}
+}
+
+// kubeAPIServerSetup writes what kube-apiserver needs to start into dir (a
+// static token file with one admin token, a service-account key pair) and
+// returns its base flags, serving on a free port on 127.0.0.1 with storage
+// at etcdServers, the port, and the admin token.
+func kubeAPIServerSetup(t *testing.T, dir, etcdServers string) (args []string, port int, token string) {
+	t.Helper()
+	token = "e2e-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	writeFile(t, filepath.Join(dir, "tokens.csv"), token+`,admin,admin-uid,"system:masters"`+"\n")
+	key, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err := x509.MarshalPKIXPublicKey(&key.PublicKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeFile(t, filepath.Join(dir, "sa.key"), string(pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)})))
+	writeFile(t, filepath.Join(dir, "sa.pub"), string(pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pub})))
+	port = testsupport.FreePorts(t, 1)[0]
+	return []string{
+		"--etcd-servers=" + etcdServers,
+		fmt.Sprintf("--secure-port=%d", port),
+		"--bind-address=127.0.0.1",
+		"--advertise-address=127.0.0.1",
+		"--endpoint-reconciler-type=none",
+		"--cert-dir=" + filepath.Join(dir, "certs"),
+		"--service-account-issuer=https://kubernetes.default.svc",
+		"--service-account-key-file=" + filepath.Join(dir, "sa.pub"),
+		"--service-account-signing-key-file=" + filepath.Join(dir, "sa.key"),
+		"--service-cluster-ip-range=10.0.0.0/24",
+		"--authorization-mode=RBAC",
+		"--token-auth-file=" + filepath.Join(dir, "tokens.csv"),
+	}, port, token
 }

@@ -56,8 +56,11 @@ const (
 	faultFor = 500 * time.Millisecond
 	// runTimeout bounds the recording (not the validation).
 	runTimeout = 2 * time.Minute
-	// validationTimeout is porcupine's budget for the linearization check.
-	validationTimeout = time.Minute
+	// validationTimeout is porcupine's budget for the linearization check:
+	// etcd's own robustness suite gives it 5 minutes. A restart fault
+	// leaves many writes of unknown outcome, whose linearization took
+	// over a minute on 2 cores in some runs.
+	validationTimeout = 5 * time.Minute
 )
 
 // profile is a scaled-down traffic.KeyValueMedium/WatchDefault/
