@@ -18,7 +18,8 @@
 // Copied from go.etcd.io/etcd/tests/v3@v3.7.3/e2e/watch_test.go, whose
 // build tag (above, inverted here) leaves it out of cluster_proxy builds, so
 // that `go test -tags cluster_proxy go.etcd.io/etcd/tests/v3/e2e` cannot run
-// it. Unchanged otherwise. run.sh runs the test binary in that package's
+// it. Unchanged otherwise but for two pacing loops, which wait on a ticker
+// instead of time.Sleep. run.sh runs the test binary in that package's
 // directory, as go test would run etcd's: ../fixtures (e2e.FixturesDir,
 // integration.TestTLSInfo) resolves there.
 
@@ -140,6 +141,10 @@ func TestWatchDelayForManualProgressNotification(t *testing.T) {
 			g := errgroup.Group{}
 			continuouslyExecuteGetAll(ctx, t, &g, c)
 			g.Go(func() error {
+				// Paced by a ticker rather than etcd's time.Sleep; the
+				// requests and their pace are etcd's.
+				tick := time.NewTicker(watchResponsePeriod)
+				defer tick.Stop()
 				for {
 					err := c.RequestProgress(ctx)
 					if err != nil {
@@ -148,7 +153,10 @@ func TestWatchDelayForManualProgressNotification(t *testing.T) {
 						}
 						return err
 					}
-					time.Sleep(watchResponsePeriod)
+					select {
+					case <-tick.C:
+					case <-ctx.Done():
+					}
 				}
 			})
 			validateWatchDelay(t, c.Watch(ctx, "fake-key"), tc.maxWatchDelay)
@@ -176,6 +184,8 @@ func TestWatchDelayForEvent(t *testing.T) {
 			defer cancel()
 			g := errgroup.Group{}
 			g.Go(func() error {
+				tick := time.NewTicker(watchResponsePeriod)
+				defer tick.Stop()
 				i := 0
 				for {
 					_, err := c.Put(ctx, "key", fmt.Sprintf("%d", i))
@@ -185,7 +195,10 @@ func TestWatchDelayForEvent(t *testing.T) {
 						}
 						return err
 					}
-					time.Sleep(watchResponsePeriod)
+					select {
+					case <-tick.C:
+					case <-ctx.Done():
+					}
 				}
 			})
 			continuouslyExecuteGetAll(ctx, t, &g, c)
