@@ -3,6 +3,8 @@ package integration
 import (
 	"context"
 	"crypto/tls"
+	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -203,4 +205,74 @@ func TestAuthCertificateIdentityNotLent(t *testing.T) {
 	if got, err := root.Get(ctx, "/secret"); err != nil || len(got.Kvs) != 1 || string(got.Kvs[0].Value) != "s" {
 		t.Fatalf("/secret after alice's writes: %v, %v", got, err)
 	}
+}
+
+// TestAuthTokenCallerServedFromCache: a caller whose token was issued
+// through the proxy gets its allowed serializable and historical reads from
+// the cache, checked with etcd's rules, and etcd's refusal for the rest;
+// once its user is deleted in etcd, its reads fail as etcd's do within the
+// mirror's second.
+func TestAuthTokenCallerServedFromCache(t *testing.T) {
+	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	etcdEP := "http://" + e.Clients[0].Addr().String()
+	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
+	p := proxytest.StartProxy(t, server.Config{
+		Endpoints: []string{etcdEP}, ListenAddr: "127.0.0.1:0",
+		User: "root", Password: "rootpw",
+		Logger: zaptest.NewLogger(t),
+	})
+	root := callerClient(t, etcdEP, "root", "rootpw", nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	head, err := root.Get(ctx, "/alice/x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	testsupport.WaitFor(t, waitTimeout, "the cache to reach etcd's revision", func() bool { return p.Store().Rev() >= head.Header.Revision })
+	direct := pb.NewKVClient(callerClient(t, etcdEP, "alice", "alicepw", nil).ActiveConnection())
+	proxied := pb.NewKVClient(callerClient(t, "http://"+p.Addr(), "alice", "alicepw", nil).ActiveConnection())
+
+	cached := func() float64 {
+		return metricSum(t, p.Registry(), "etcd_snapcache_range_requests_total", map[string]string{"source": "cache"})
+	}
+	reqs := []*pb.RangeRequest{
+		{Key: []byte("/alice/x"), Serializable: true},
+		{Key: []byte("/alice/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("/alice/")), Serializable: true},
+		{Key: []byte("/alice/x"), Revision: head.Header.Revision, Serializable: true},
+		{Key: []byte("/secret"), Serializable: true},
+		{Key: []byte{0}, RangeEnd: []byte{0}, Serializable: true},
+	}
+	same := func(what string) (identical bool, detail string) {
+		for _, req := range reqs {
+			d, derr := direct.Range(ctx, req)
+			pr, perr := proxied.Range(ctx, req)
+			if derr == nil && perr == nil {
+				if d.Header.Revision != pr.Header.Revision || len(d.Kvs) != len(pr.Kvs) {
+					return false, fmt.Sprintf("%s %v: etcd %v, proxy %v", what, req, d, pr)
+				}
+				continue
+			}
+			if outcome(0, derr) != outcome(0, perr) {
+				return false, fmt.Sprintf("%s %v: etcd %s, proxy %s", what, req, outcome(0, derr), outcome(0, perr))
+			}
+		}
+		return true, ""
+	}
+	before := cached()
+	if ok, detail := same("alice"); !ok {
+		t.Fatal(detail)
+	}
+	if served := cached() - before; served < 3 {
+		t.Fatalf("%v of alice's allowed reads served from the cache, want 3", served)
+	}
+
+	if _, err := root.UserDelete(ctx, "alice"); err != nil {
+		t.Fatal(err)
+	}
+	testsupport.Poll(t, 5*time.Second, 50*time.Millisecond, "alice's reads to fail as etcd's do", func() (bool, error) {
+		if ok, detail := same("deleted alice"); !ok {
+			return false, errors.New(detail)
+		}
+		return true, nil
+	})
 }

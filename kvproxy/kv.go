@@ -2,6 +2,7 @@ package kvproxy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -122,10 +123,17 @@ type Config struct {
 	// consistency checker found the store inconsistent.
 	Inconsistent func() bool
 	// Authorize, if set, is etcd's permission check of a read of
-	// [key, rangeEnd) by the caller of ctx: a non-nil error is etcd's
-	// refusal, answered as it is.
-	Authorize func(ctx context.Context, key, rangeEnd []byte) error
+	// [key, rangeEnd) by the caller of ctx, linearizable or not: nil lets
+	// the store answer; ErrAskEtcd sends the read to etcd, which judges
+	// the caller itself; another error is etcd's refusal, answered as it
+	// is. If unset, callers with a token go to etcd and the rest are
+	// allowed.
+	Authorize func(ctx context.Context, key, rangeEnd []byte, linearizable bool) error
 }
+
+// ErrAskEtcd, from Config.Authorize, says that only etcd can judge the
+// caller: the read goes to etcd, with the caller's credentials.
+var ErrAskEtcd = errors.New("kvproxy: only etcd can judge this caller")
 
 // Server implements etcdserverpb.KVServer.
 type Server struct {
@@ -140,7 +148,7 @@ type Server struct {
 	fresh        time.Duration
 	fallback     ConsistentReadFallback
 	inconsistent func() bool
-	authorize    func(ctx context.Context, key, rangeEnd []byte) error
+	authorize    func(ctx context.Context, key, rangeEnd []byte, linearizable bool) error
 	forwards     chan struct{} // semaphore of reads in flight to etcd
 	releases     releaseCache
 }
@@ -165,7 +173,12 @@ func New(cfg Config) *Server {
 		cfg.Inconsistent = func() bool { return false }
 	}
 	if cfg.Authorize == nil {
-		cfg.Authorize = func(context.Context, []byte, []byte) error { return nil }
+		cfg.Authorize = func(ctx context.Context, _, _ []byte, _ bool) error {
+			if hasAuthToken(ctx) {
+				return ErrAskEtcd
+			}
+			return nil
+		}
 	}
 	return &Server{
 		store:        cfg.Store,
@@ -189,11 +202,6 @@ func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeRespon
 		return nil, err
 	}
 	if err := checkRangeRequest(r); err != nil {
-		return nil, err
-	}
-	// etcd's handler validates, then checks permissions.
-	if err := s.authorize(ctx, r.Key, r.RangeEnd); err != nil {
-		s.m.observe(sourceRejected, reasonAuth)
 		return nil, err
 	}
 	rules := s.rules()

@@ -34,7 +34,9 @@ func (s *Server) RangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServ
 	if err := checkRangeStreamRequest(r); err != nil {
 		return err
 	}
-	if err := s.authorize(ctx, r.Key, r.RangeEnd); err != nil {
+	// A refusal comes first: a relay below must not run for a caller etcd
+	// would refuse (it would run with the proxy's connection).
+	if err := s.authorize(ctx, r.Key, r.RangeEnd, !r.Serializable); err != nil && !errors.Is(err, ErrAskEtcd) {
 		s.m.observe(sourceRejected, reasonAuth)
 		return err
 	}

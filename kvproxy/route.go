@@ -41,10 +41,14 @@ func refused(why reason, err error) route { return route{action: refuse, reason:
 // the read fence for a linearizable read, or serializable at a revision it
 // has reached.
 func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRules) route {
-	switch {
-	case hasAuthToken(ctx):
-		// The store cannot check the caller's permissions; etcd can.
+	// etcd's handler validates (done), then checks permissions.
+	switch err := s.authorize(ctx, r.Key, r.RangeEnd, !r.Serializable); {
+	case errors.Is(err, ErrAskEtcd):
 		return forwarded(reasonAuth)
+	case err != nil:
+		return refused(reasonAuth, err)
+	}
+	switch {
 	case !s.follower.Serving():
 		// KEP-4568: delegate what etcd answers cheaply, refuse the rest
 		// rather than hang or flood etcd.

@@ -11,11 +11,13 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+
+	"github.com/etcd-snapcache/etcd-snapcache/authcache"
+	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 )
 
 // errAuthUnknown answers a caller the proxy cannot yet tell etcd's auth
@@ -27,17 +29,45 @@ var errAuthUnknown = status.Error(codes.Unavailable, "etcd-snapcache: etcd's aut
 // front of an etcd without --client-cert-auth. While auth is enabled, etcd
 // refuses an anonymous caller every read and watch with "user name is
 // empty", and so does the proxy, whose cache would otherwise answer them.
-func hasToken(ctx context.Context) bool {
-	md, ok := metadata.FromIncomingContext(ctx)
-	return ok && len(md.Get(rpctypes.TokenFieldNameGRPC)) > 0
+func hasToken(ctx context.Context) bool { return tokenOf(ctx) != "" }
+
+// authorizeRead is etcd's permission check of a read (kvproxy's
+// Authorize). An anonymous caller while auth is enabled gets etcd's
+// refusal. A caller with a token the proxy can attribute (issued through
+// it, accepted by etcd within tokenVerifyInterval at the mirrored auth
+// revision) is checked with etcd's own code on the mirror, and an allowed
+// serializable or historical read is served from the cache. Every other
+// token read, and every linearizable one (whose permissions must be as of
+// its start, which the mirror cannot prove yet), goes to etcd.
+func (s *Server) authorizeRead(ctx context.Context, key, rangeEnd []byte, linearizable bool) error {
+	token := tokenOf(ctx)
+	if token == "" {
+		return s.anonymousRefusal()
+	}
+	enabled, known := s.authMirror.Enabled()
+	switch {
+	case linearizable || !known:
+		return kvproxy.ErrAskEtcd
+	case !enabled:
+		return nil // etcd ignores tokens while auth is disabled
+	}
+	c := s.authMirror.Checker()
+	if c == nil {
+		return kvproxy.ErrAskEtcd
+	}
+	user, ok := s.tokens.trusted(token, c.Revision())
+	if !ok {
+		return kvproxy.ErrAskEtcd
+	}
+	return c.CheckRange(authcache.Identity{User: user}, key, rangeEnd)
 }
 
-// authorizeRead is etcd's permission check of a read served from the
-// cache, for the callers the proxy can judge: an anonymous caller while
-// auth is enabled gets etcd's refusal.
-func (s *Server) authorizeRead(ctx context.Context, _, _ []byte) error {
+// authorizeWatch is etcd's permission check of a watch create on a stream
+// the proxy serves: streams with a token are relayed to etcd whole, so an
+// anonymous caller's, refused while auth is enabled.
+func (s *Server) authorizeWatch(ctx context.Context, _, _ []byte) error {
 	if hasToken(ctx) {
-		return nil // forwarded: etcd checks the token
+		return nil
 	}
 	return s.anonymousRefusal()
 }

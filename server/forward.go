@@ -13,8 +13,9 @@ import (
 )
 
 // forwardedMetadata are the request metadata etcd acts on: the caller's auth
-// token and its demand for a leader. They travel with every forwarded call.
-var forwardedMetadata = []string{rpctypes.TokenFieldNameGRPC, rpctypes.MetadataRequireLeaderKey}
+// token (in either of the keys etcd reads it from) and its demand for a
+// leader. They travel with every forwarded call.
+var forwardedMetadata = []string{rpctypes.TokenFieldNameGRPC, rpctypes.TokenFieldNameSwagger, rpctypes.MetadataRequireLeaderKey}
 
 // withCallerMetadata copies the caller's forwarded metadata from an incoming
 // server context to the outgoing context of an upstream call.

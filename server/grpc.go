@@ -93,7 +93,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		ProgressNotifyInterval: s.cfg.WatchProgressNotifyInterval,
 		FragmentBytes:          s.cfg.MaxRequestBytes + grpcOverheadBytes,
 		Inconsistent:           s.checker.Fallback,
-		Authorize:              s.authorizeRead,
+		Authorize:              s.authorizeWatch,
 		Logger:                 s.lg.Named("watch"),
 		Metrics:                watchproxy.NewMetrics(s.registry),
 	})
@@ -102,7 +102,9 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	pb.RegisterLeaseServer(gs, &leaseServer{upstream: pb.NewLeaseClient(conn), ka: s.keepAlives})
 	pb.RegisterClusterServer(gs, s.newClusterServer())
 	pb.RegisterMaintenanceServer(gs, grpcproxy.NewMaintenanceProxy(s.client))
-	pb.RegisterAuthServer(gs, grpcproxy.NewAuthProxy(s.client))
+	pb.RegisterAuthServer(gs, &authServer{AuthServer: grpcproxy.NewAuthProxy(s.client), learn: func(token, user string) {
+		s.tokens.issued(token, user, s.mirroredAuthRevision())
+	}})
 	v3lockpb.RegisterLockServer(gs, grpcproxy.NewLockProxy(s.client))
 	v3electionpb.RegisterElectionServer(gs, grpcproxy.NewElectionProxy(s.client))
 	s.health = health.NewServer()

@@ -216,6 +216,7 @@ type Server struct {
 	// certificate: etcd with --client-cert-auth takes it for a user.
 	upstreamCN string
 	authMirror *authcache.Mirror
+	tokens     *tokens // the callers' tokens the proxy can attribute
 	store      *revtree.Store
 	follower   *progress.Follower
 	registry   *prometheus.Registry
@@ -258,7 +259,8 @@ func Start(cfg Config) (*Server, error) {
 	}
 	clientMetrics := grpcprom.NewClientMetrics()
 	s.registry.MustRegister(clientMetrics)
-	if s.client, err = s.dialUpstream(clientMetrics, "", ""); err != nil {
+	s.tokens = newTokens()
+	if s.client, err = s.dialUpstream(clientMetrics, "", "", s.watchTokens); err != nil {
 		return nil, err
 	}
 	ok := false

@@ -37,7 +37,7 @@ func ClientTLSConfig(info transport.TLSInfo, insecureSkipVerify bool) (*tls.Conf
 // dialUpstream returns a client of the upstream etcd, authenticated as user
 // if one is given. Its calls carry the caller's token and hasleader
 // metadata, and are counted in grpc_client_*.
-func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, password string) (*clientv3.Client, error) {
+func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, password string, unary ...grpc.UnaryClientInterceptor) (*clientv3.Client, error) {
 	tlsCfg, err := ClientTLSConfig(s.cfg.UpstreamTLS, s.cfg.InsecureSkipTLSVerify)
 	if err != nil {
 		return nil, fmt.Errorf("upstream TLS: %w", err)
@@ -73,7 +73,7 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, passw
 				Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second},
 				MinConnectTimeout: defaultDialTimeout,
 			}),
-			grpc.WithChainUnaryInterceptor(forwardUnaryMetadata, clientMetrics.UnaryClientInterceptor()),
+			grpc.WithChainUnaryInterceptor(append([]grpc.UnaryClientInterceptor{forwardUnaryMetadata, clientMetrics.UnaryClientInterceptor()}, unary...)...),
 			grpc.WithChainStreamInterceptor(forwardStreamMetadata, clientMetrics.StreamClientInterceptor()),
 		},
 	})

@@ -1,0 +1,130 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+)
+
+// tokenVerifyInterval is how long a token etcd accepted may be trusted for
+// cached reads before a read goes to etcd with it again. That read proves
+// the token is still valid (etcd ends simple tokens on user deletion, a
+// password change and --auth-token-ttl without use) and, being a use,
+// keeps it alive in etcd: a caller served from the cache never sees its
+// token expire where etcd's would not.
+const tokenVerifyInterval = 5 * time.Second
+
+// tokens are the auth tokens the proxy can attribute: those issued by
+// Authenticate through it, to the user they were issued to.
+type tokens struct {
+	mu sync.Mutex
+	// Guarded by mu.
+	byToken map[string]*tokenEntry
+}
+
+// tokenEntry is one token; guarded by tokens.mu.
+type tokenEntry struct {
+	user string
+	// verifiedAt is when etcd last accepted the token, at auth revision
+	// verifiedRev (as the proxy mirrored it then).
+	verifiedAt  time.Time
+	verifiedRev uint64
+}
+
+func newTokens() *tokens { return &tokens{byToken: map[string]*tokenEntry{}} }
+
+// issued records a token etcd issued to user at auth revision rev.
+func (t *tokens) issued(token, user string, rev uint64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.byToken[token] = &tokenEntry{user: user, verifiedAt: time.Now(), verifiedRev: rev}
+}
+
+// trusted returns the user of token if etcd accepted it within
+// tokenVerifyInterval and at auth revision rev.
+func (t *tokens) trusted(token string, rev uint64) (string, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.byToken[token]
+	if e == nil || e.verifiedRev != rev || time.Since(e.verifiedAt) > tokenVerifyInterval {
+		return "", false
+	}
+	return e.user, true
+}
+
+// answered records etcd's answer to a request forwarded with token: any
+// answer but an invalid-token error proves the token valid now; that error
+// ends it.
+func (t *tokens) answered(token string, rev uint64, err error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.byToken[token]
+	if e == nil {
+		return
+	}
+	switch {
+	case errors.Is(rpctypes.Error(err), rpctypes.ErrInvalidAuthToken):
+		delete(t.byToken, token)
+	case err == nil || errors.Is(rpctypes.Error(err), rpctypes.ErrPermissionDenied):
+		e.verifiedAt, e.verifiedRev = time.Now(), rev
+	}
+}
+
+// tokenOf returns the caller's token, "" for none, where etcd's
+// AuthInfoFromCtx reads it: the token key, else a Bearer authorization.
+func tokenOf(ctx context.Context) string {
+	md, ok := metadata.FromIncomingContext(ctx)
+	if !ok {
+		return ""
+	}
+	if v := md.Get(rpctypes.TokenFieldNameGRPC); len(v) > 0 {
+		return v[0]
+	}
+	if v := md.Get(rpctypes.TokenFieldNameSwagger); len(v) > 0 {
+		return strings.TrimPrefix(v[0], "Bearer ")
+	}
+	return ""
+}
+
+// watchTokens is a client interceptor of the forwarding connection: etcd's
+// answer to a call made with a caller's token tells whether the token is
+// valid.
+func (s *Server) watchTokens(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	err := invoker(ctx, method, req, reply, cc, opts...)
+	if token := tokenOf(ctx); token != "" {
+		s.tokens.answered(token, s.mirroredAuthRevision(), err)
+	}
+	return err
+}
+
+// mirroredAuthRevision is the auth revision of the mirror's checker, 0 if
+// none.
+func (s *Server) mirroredAuthRevision() uint64 {
+	if c := s.authMirror.Checker(); c != nil {
+		return c.Revision()
+	}
+	return 0
+}
+
+// authServer forwards the Auth service, and learns the tokens that
+// Authenticate issues through the proxy.
+type authServer struct {
+	pb.AuthServer
+	learn func(token, user string)
+}
+
+func (a *authServer) Authenticate(ctx context.Context, r *pb.AuthenticateRequest) (*pb.AuthenticateResponse, error) {
+	resp, err := a.AuthServer.Authenticate(ctx, r)
+	if err == nil && resp.Token != "" {
+		a.learn(resp.Token, r.Name)
+	}
+	return resp, err
+}
