@@ -45,7 +45,16 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, passw
 	if s.cfg.InsecureSkipTLSVerify && user == "" {
 		s.lg.Warn("--insecure-skip-tls-verify was given: the upstream's TLS certificate is not verified; use it only for testing")
 	}
+	// The connection that forwards callers' requests makes one attempt:
+	// the caller's own client retries as it sees fit, and clientv3's
+	// retries would hold an invalid token's or an empty user's refusal for
+	// seconds (it retries those up to 100 times) where etcd answers at once.
+	maxRetries := uint(0) // clientv3's default
+	if user == "" {
+		maxRetries = 1
+	}
 	client, err := clientv3.New(clientv3.Config{
+		MaxUnaryRetries:      maxRetries,
 		Endpoints:            s.cfg.Endpoints,
 		AutoSyncInterval:     s.cfg.EndpointsAutoSyncInterval,
 		DialTimeout:          s.cfg.DialTimeout,
