@@ -49,6 +49,22 @@ func setUpAuth(t *testing.T, admin *clientv3.Client) {
 	}
 }
 
+// startAuthProxy starts an etcd set up by setUpAuth and a proxy in front of
+// it with root's credentials; it returns etcd's endpoint, the proxy and a
+// client of etcd as root.
+func startAuthProxy(t *testing.T) (string, *server.Server, *clientv3.Client) {
+	t.Helper()
+	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	etcdEP := "http://" + e.Clients[0].Addr().String()
+	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
+	p := proxytest.StartProxy(t, server.Config{
+		Endpoints: []string{etcdEP}, ListenAddr: "127.0.0.1:0",
+		User: "root", Password: "rootpw",
+		Logger: zaptest.NewLogger(t),
+	})
+	return etcdEP, p, callerClient(t, etcdEP, "root", "rootpw", nil)
+}
+
 // callerClient is a client of ep as one caller: a user with a password,
 // a TLS client certificate, both or neither.
 func callerClient(t *testing.T, ep, user, password string, tlsCfg *tls.Config) *clientv3.Client {
@@ -96,16 +112,8 @@ func firstWatchResponse(t *testing.T, cli *clientv3.Client, cr *pb.WatchCreateRe
 // etcd's "user name is empty" (the cache must not answer them), and a
 // token caller's requests are answered as etcd answers that user.
 func TestAuthPasswordIdentity(t *testing.T) {
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
-	etcdEP := "http://" + e.Clients[0].Addr().String()
-	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := proxytest.StartProxy(t, server.Config{
-		Endpoints: []string{etcdEP}, ListenAddr: "127.0.0.1:0",
-		User: "root", Password: "rootpw",
-		Logger: zaptest.NewLogger(t),
-	})
+	etcdEP, p, root := startAuthProxy(t)
 	proxyEP := "http://" + p.Addr()
-	root := callerClient(t, etcdEP, "root", "rootpw", nil)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	head, err := root.Get(ctx, "/secret")
@@ -213,15 +221,7 @@ func TestAuthCertificateIdentityNotLent(t *testing.T) {
 // once its user is deleted in etcd, its reads fail as etcd's do within the
 // mirror's second.
 func TestAuthTokenCallerServedFromCache(t *testing.T) {
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
-	etcdEP := "http://" + e.Clients[0].Addr().String()
-	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := proxytest.StartProxy(t, server.Config{
-		Endpoints: []string{etcdEP}, ListenAddr: "127.0.0.1:0",
-		User: "root", Password: "rootpw",
-		Logger: zaptest.NewLogger(t),
-	})
-	root := callerClient(t, etcdEP, "root", "rootpw", nil)
+	etcdEP, p, root := startAuthProxy(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	head, err := root.Get(ctx, "/alice/x")
