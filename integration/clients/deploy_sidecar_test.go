@@ -313,23 +313,7 @@ func TestDeploySidecar(t *testing.T) {
 	}
 	kp := startProcess(t, "kube-apiserver", bins.kube, args)
 	k := &kubeEnv{t: t, kube: kp, base: fmt.Sprintf("https://127.0.0.1:%d", port), token: token}
-	certFile := filepath.Join(certDir, "apiserver.crt")
-	pool := x509.NewCertPool()
-	waitUntil(t, 120*time.Second, "kube-apiserver's serving certificate", func() (bool, error) {
-		b, err := os.ReadFile(certFile)
-		return err == nil && pool.AppendCertsFromPEM(b), err
-	}, kp)
-	k.hc = &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, ServerName: "127.0.0.1"}}}
-	waitUntil(t, 240*time.Second, "kube-apiserver /readyz (its etcd: the proxy, over mTLS)", func() (bool, error) {
-		code, body, err := k.try("GET", "/readyz", nil)
-		if err != nil {
-			return false, err
-		}
-		if code != http.StatusOK {
-			return false, fmt.Errorf("%d: %s", code, lastLines(string(body), 5))
-		}
-		return true, nil
-	}, kp, pp, ep)
+	k.waitServing(certDir, "kube-apiserver /readyz (its etcd: the proxy, over mTLS)", pp, ep)
 
 	// --- The dry run: the mirror pod a kubelet creates from the manifest.
 	var obj map[string]any

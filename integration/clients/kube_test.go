@@ -103,7 +103,6 @@ func startKube(t *testing.T, bins kubeBins, watchCache bool) *kubeEnv {
 
 	dir := t.TempDir()
 	args, port, token := kubeAPIServerSetup(t, dir, px.url)
-	certDir := filepath.Join(dir, "certs")
 	args = append(args,
 		fmt.Sprintf("--watch-cache=%v", watchCache),
 		"--v=2", // reflector and cacher messages the log scan looks for
@@ -118,32 +117,7 @@ func startKube(t *testing.T, bins kubeBins, watchCache bool) *kubeEnv {
 		values: map[string]map[int64]string{},
 	}
 
-	// Its serving certificate, self-signed under its own CA, is written to
-	// --cert-dir before it serves.
-	certFile := filepath.Join(certDir, "apiserver.crt")
-	waitUntil(t, 120*time.Second, "kube-apiserver's serving certificate", func() (bool, error) {
-		_, err := os.Stat(certFile)
-		return err == nil, err
-	}, kp)
-	pool := x509.NewCertPool()
-	waitUntil(t, 10*time.Second, "a complete "+certFile, func() (bool, error) {
-		b, err := os.ReadFile(certFile)
-		return err == nil && pool.AppendCertsFromPEM(b), err
-	}, kp)
-	k.hc = &http.Client{Transport: &http.Transport{
-		TLSClientConfig: &tls.Config{RootCAs: pool, ServerName: "127.0.0.1"},
-	}}
-
-	waitUntil(t, 240*time.Second, "kube-apiserver /readyz", func() (bool, error) {
-		code, body, err := k.try("GET", "/readyz", nil)
-		if err != nil {
-			return false, err
-		}
-		if code != http.StatusOK {
-			return false, fmt.Errorf("%d: %s", code, lastLines(string(body), 5))
-		}
-		return true, nil
-	}, kp, px.process, e.process)
+	k.waitServing(filepath.Join(dir, "certs"), "kube-apiserver /readyz", px.process, e.process)
 	t.Logf("kube-apiserver (watch cache %v) ready in %v", watchCache, time.Since(start).Round(100*time.Millisecond))
 	k.readyz = startReadyzMonitor(k)
 	k.initsAtReady = k.metrics()["apiserver_watch_cache_initializations_total"]
@@ -1163,4 +1137,32 @@ func kubeAPIServerSetup(t *testing.T, dir, etcdServers string) (args []string, p
 		"--authorization-mode=RBAC",
 		"--token-auth-file=" + filepath.Join(dir, "tokens.csv"),
 	}, port, token
+}
+
+// waitServing waits until kube-apiserver serves: its serving certificate,
+// self-signed under its own CA, is complete in certDir (it writes it there
+// before it serves), and /readyz answers 200. k.hc trusts that certificate
+// from then on. others are watched too: their exit fails the wait early.
+func (k *kubeEnv) waitServing(certDir, what string, others ...*process) {
+	t := k.t
+	t.Helper()
+	certFile := filepath.Join(certDir, "apiserver.crt")
+	pool := x509.NewCertPool()
+	waitUntil(t, 120*time.Second, "kube-apiserver's serving certificate", func() (bool, error) {
+		b, err := os.ReadFile(certFile)
+		return err == nil && pool.AppendCertsFromPEM(b), err
+	}, k.kube)
+	k.hc = &http.Client{Transport: &http.Transport{
+		TLSClientConfig: &tls.Config{RootCAs: pool, ServerName: "127.0.0.1"},
+	}}
+	waitUntil(t, 240*time.Second, what, func() (bool, error) {
+		code, body, err := k.try("GET", "/readyz", nil)
+		if err != nil {
+			return false, err
+		}
+		if code != http.StatusOK {
+			return false, fmt.Errorf("%d: %s", code, lastLines(string(body), 5))
+		}
+		return true, nil
+	}, append([]*process{k.kube}, others...)...)
 }
