@@ -36,15 +36,16 @@ import (
 // etcd's gRPC server limits and defaults (server/embed/config.go,
 // api/v3rpc/grpc.go), and the proxy's own.
 const (
-	defaultMaxRequestBytes   = 1.5 * 1024 * 1024
-	grpcOverheadBytes        = 512 * 1024
-	maxSendBytes             = math.MaxInt32
-	defaultKeepAliveMinTime  = 5 * time.Second
-	defaultKeepAliveInterval = 2 * time.Hour
-	defaultKeepAliveTimeout  = 20 * time.Second
-	defaultDialTimeout       = 5 * time.Second
-	gracefulStopTimeout      = 10 * time.Second
-	defaultMemberName        = "etcd-snapcache"
+	defaultMaxRequestBytes        = 1.5 * 1024 * 1024
+	grpcOverheadBytes             = 512 * 1024
+	maxSendBytes                  = math.MaxInt32
+	defaultKeepAliveMinTime       = 5 * time.Second
+	defaultKeepAliveInterval      = 2 * time.Hour
+	defaultKeepAliveTimeout       = 20 * time.Second
+	defaultDialTimeout            = 5 * time.Second
+	defaultAuthTokenCheckInterval = 5 * time.Second
+	gracefulStopTimeout           = 10 * time.Second
+	defaultMemberName             = "etcd-snapcache"
 	// defaultDialKeepAliveTime: grpc-proxy pings etcd never by default;
 	// the proxy pings every 30 s, because a silently dead connection
 	// would leave its cache stale without any error.
@@ -95,6 +96,22 @@ type Config struct {
 	// watch, probes, consistency check and auth mirror (etcdctl's --user
 	// and --password). Requests forwarded for callers never carry it.
 	User, Password string
+	// ClientCertAuth is etcd's --client-cert-auth, and must match the
+	// upstream's: a caller without a token is the user its verified client
+	// certificate names (the proxy must then serve TLS with a trusted CA).
+	// Without it, a certificate's common name means nothing, as in front
+	// of an etcd without the flag.
+	ClientCertAuth bool
+	// AuthToken is the upstream's --auth-token: "simple" (or empty), or
+	// "jwt,pub-key=<file>,sign-method=<alg>", whose public key lets the
+	// proxy verify the JWTs etcd issued and serve their reads from the
+	// cache. A JWT the proxy cannot verify is forwarded with its request.
+	AuthToken string
+	// AuthTokenCheckInterval is how long the proxy trusts a token etcd
+	// accepted before showing it to etcd again; each showing is a use that
+	// keeps a simple token alive in etcd (default 5 s, well under etcd's
+	// --auth-token-ttl of 300 s).
+	AuthTokenCheckInterval time.Duration
 	// UpstreamTLS secures the connection to etcd when any file is set;
 	// InsecureSkipTLSVerify skips verifying etcd's certificate.
 	UpstreamTLS           transport.TLSInfo
@@ -178,6 +195,7 @@ func (cfg Config) withDefaults() Config {
 		cfg.Logger = zap.NewNop()
 	}
 	orDefault(&cfg.DialTimeout, defaultDialTimeout)
+	orDefault(&cfg.AuthTokenCheckInterval, defaultAuthTokenCheckInterval)
 	orDefault(&cfg.DialKeepAliveTime, defaultDialKeepAliveTime)
 	orDefault(&cfg.DialKeepAliveTimeout, defaultKeepAliveTimeout)
 	orDefault(&cfg.GRPCKeepAliveMinTime, defaultKeepAliveMinTime)
@@ -253,6 +271,9 @@ func Start(cfg Config) (*Server, error) {
 	var err error
 	if s.tls, err = s.servingTLS(); err != nil {
 		return nil, err
+	}
+	if cfg.ClientCertAuth && (s.tls == nil || s.tls.TrustedCAFile == "") {
+		return nil, errors.New("--client-cert-auth: client certificates are verified only with serving TLS and --trusted-ca-file")
 	}
 	if s.upstreamCN, err = certCommonName(cfg.UpstreamTLS.CertFile); err != nil {
 		return nil, fmt.Errorf("--cert: %w", err)
