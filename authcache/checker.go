@@ -1,6 +1,7 @@
 package authcache
 
 import (
+	"context"
 	"errors"
 
 	"go.uber.org/zap"
@@ -25,18 +26,37 @@ type Snapshot struct {
 type Checker struct {
 	snap  Snapshot
 	store auth.AuthStore
+	jwt   bool // the store verifies JWTs with etcd's key
 }
 
-// NewChecker returns a checker of s.
-func NewChecker(s Snapshot) (*Checker, error) {
-	tp, err := auth.NewTokenProvider(zap.NewNop(), "", nil, 0)
-	if err != nil {
-		return nil, err
+// NewChecker returns a checker of s. jwt, if not nil, is etcd's JWT token
+// provider (NewJWTProvider), with which the checker verifies JWTs.
+func NewChecker(s Snapshot, jwt auth.TokenProvider) (*Checker, error) {
+	tp := jwt
+	if tp == nil {
+		var err error
+		if tp, err = auth.NewTokenProvider(zap.NewNop(), "", nil, 0); err != nil {
+			return nil, err
+		}
 	}
 	// A nop logger: etcd's store logs every refused check at error level,
 	// and refusals are answers here, not faults.
 	store := auth.NewAuthStore(zap.NewNop(), newMemBackend(s), tp, bcrypt.MinCost)
-	return &Checker{snap: s, store: store}, nil
+	return &Checker{snap: s, store: store, jwt: jwt != nil}, nil
+}
+
+// NewJWTProvider returns etcd's JWT token provider for opts, etcd's
+// --auth-token value ("jwt,pub-key=<file>,sign-method=<alg>"); nil for
+// "simple" or "". With only a public key it verifies, and cannot sign.
+func NewJWTProvider(lg *zap.Logger, opts string) (auth.TokenProvider, error) {
+	if opts == "" || opts == "simple" {
+		return nil, nil
+	}
+	tp, err := auth.NewTokenProvider(lg, opts, nil, 0)
+	if err != nil {
+		return nil, err
+	}
+	return tp, nil
 }
 
 // Enabled reports whether auth is enabled in the snapshot.
@@ -45,18 +65,25 @@ func (c *Checker) Enabled() bool { return c.snap.Enabled }
 // Revision is the snapshot's auth revision.
 func (c *Checker) Revision() uint64 { return c.snap.Revision }
 
-// Identity is who a request is from, as etcd's AuthInfoFromCtx decides it:
-// an empty User is anonymous. Revision is the auth revision the identity
-// was established at: a simple token's or a certificate's is the current
-// one, a JWT's is its claim.
+// Identity is who a request is from, as etcd's AuthInfoFromCtx decides it.
+// A zero Identity is anonymous. An authenticated one names a User (which
+// may be empty or unknown: a certificate names whatever it names) and the
+// auth Revision it was established at: a simple token's or a
+// certificate's is the current one (0 here), a JWT's is its claim.
 type Identity struct {
-	User     string
-	Revision uint64
+	Authenticated bool
+	User          string
+	Revision      uint64
 }
 
-// current returns id at the snapshot's revision unless it carries its own.
+// User returns the identity of an authenticated user at the current
+// revision: a simple token's owner or a certificate's common name.
+func User(name string) Identity { return Identity{Authenticated: true, User: name} }
+
+// info is id as etcd's checks receive it: an anonymous caller is nil for
+// the admin checks and the zero AuthInfo for the others, as etcd passes it.
 func (c *Checker) info(id Identity) *auth.AuthInfo {
-	if id.User == "" {
+	if !id.Authenticated {
 		return &auth.AuthInfo{}
 	}
 	rev := id.Revision
@@ -66,13 +93,20 @@ func (c *Checker) info(id Identity) *auth.AuthInfo {
 	return &auth.AuthInfo{Username: id.User, Revision: rev}
 }
 
+func (c *Checker) adminInfo(id Identity) *auth.AuthInfo {
+	if !id.Authenticated {
+		return nil
+	}
+	return c.info(id)
+}
+
 // CheckRange is etcd's check of a Range (and of a watch create) over
 // [key, rangeEnd) by id: nil, or the gRPC error etcd answers.
 func (c *Checker) CheckRange(id Identity, key, rangeEnd []byte) error {
 	return grpcError(c.store.IsRangePermitted(c.info(id), key, rangeEnd))
 }
 
-// CheckPut is etcd's check of a Put of key by id.
+// CheckPut is etcd's check of a Put of key by id, without its lease.
 func (c *Checker) CheckPut(id Identity, key []byte) error {
 	return grpcError(c.store.IsPutPermitted(c.info(id), key))
 }
@@ -84,10 +118,40 @@ func (c *Checker) CheckDeleteRange(id Identity, key, rangeEnd []byte) error {
 
 // CheckAdmin is etcd's check of an admin-only request.
 func (c *Checker) CheckAdmin(id Identity) error {
-	if id.User == "" {
-		return grpcError(c.store.IsAdminPermitted(nil))
+	return grpcError(c.store.IsAdminPermitted(c.adminInfo(id)))
+}
+
+// RequireUser is etcd's requireAuthInfo: with auth enabled, an anonymous
+// caller gets "user name is empty".
+func (c *Checker) RequireUser(id Identity) error {
+	if c.snap.Enabled && !id.Authenticated {
+		return rpctypes.ErrGRPCUserEmpty
 	}
-	return grpcError(c.store.IsAdminPermitted(c.info(id)))
+	return nil
+}
+
+// HasRole reports whether id's user has role, as etcd's RoleGet asks.
+func (c *Checker) HasRole(id Identity, role string) bool {
+	return id.Authenticated && c.store.HasRole(id.User, role)
+}
+
+// ErrNotJWT says a token is not a JWT the checker can verify.
+var ErrNotJWT = errors.New("authcache: not a verifiable JWT")
+
+// TokenIdentity verifies the JWT in ctx's request metadata with etcd's
+// code and returns the identity it carries: its username and revision
+// claims. A token that is not a valid, unexpired JWT signed with etcd's
+// key gets ErrNotJWT, as does every token when the checker has no JWT
+// provider or auth is disabled.
+func (c *Checker) TokenIdentity(ctx context.Context) (Identity, error) {
+	if !c.jwt {
+		return Identity{}, ErrNotJWT
+	}
+	ai, err := c.store.AuthInfoFromCtx(ctx)
+	if err != nil || ai == nil {
+		return Identity{}, ErrNotJWT
+	}
+	return Identity{Authenticated: true, User: ai.Username, Revision: ai.Revision}, nil
 }
 
 // authErrors are etcd's gRPC errors for its auth store's errors

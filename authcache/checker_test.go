@@ -116,7 +116,7 @@ func TestCheckerMatchesEtcd(t *testing.T) {
 	if !snap.Enabled || snap.Revision == 0 || len(snap.Users) != len(users)+1 {
 		t.Fatalf("snapshot: enabled %v, revision %d, %d users", snap.Enabled, snap.Revision, len(snap.Users))
 	}
-	c, err := authcache.NewChecker(snap)
+	c, err := authcache.NewChecker(snap, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -134,7 +134,10 @@ func TestCheckerMatchesEtcd(t *testing.T) {
 	compared := 0
 	for user, cli := range callers {
 		kv := pb.NewKVClient(cli.ActiveConnection())
-		id := authcache.Identity{User: user}
+		id := authcache.User(user)
+		if user == "" {
+			id = authcache.Identity{}
+		}
 		for range 60 {
 			key, end := randRange(r)
 			_, etcdErr := kv.Range(ctx, &pb.RangeRequest{Key: key, RangeEnd: end, Serializable: true})
@@ -151,7 +154,7 @@ func TestCheckerMatchesEtcd(t *testing.T) {
 	t.Logf("%d requests by %d callers compared", compared, len(callers))
 
 	// An identity from before an auth change gets etcd's old-revision error.
-	if err := c.CheckRange(authcache.Identity{User: "u0", Revision: snap.Revision - 1}, []byte("a"), nil); status.Convert(err).Message() != "etcdserver: revision of auth store is old" {
+	if err := c.CheckRange(authcache.Identity{Authenticated: true, User: "u0", Revision: snap.Revision - 1}, []byte("a"), nil); status.Convert(err).Message() != "etcdserver: revision of auth store is old" {
 		t.Fatalf("an old auth revision: %v", err)
 	}
 }
@@ -159,11 +162,11 @@ func TestCheckerMatchesEtcd(t *testing.T) {
 // TestCheckerAuthDisabled: with auth disabled every request is allowed, an
 // anonymous one included, as in etcd.
 func TestCheckerAuthDisabled(t *testing.T) {
-	c, err := authcache.NewChecker(authcache.Snapshot{Enabled: false, Revision: 1})
+	c, err := authcache.NewChecker(authcache.Snapshot{Enabled: false, Revision: 1}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, id := range []authcache.Identity{{}, {User: "nobody"}} {
+	for _, id := range []authcache.Identity{{}, authcache.User("nobody")} {
 		if err := c.CheckRange(id, []byte("a"), []byte{0}); err != nil {
 			t.Errorf("%v: %v", id, err)
 		}

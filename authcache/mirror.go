@@ -2,12 +2,18 @@ package authcache
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"time"
 
 	"go.uber.org/zap"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/server/v3/auth"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/coalesce"
 )
 
 // DefaultPollInterval is how often the mirror asks etcd for its auth
@@ -15,42 +21,70 @@ import (
 // watches within about this long.
 const DefaultPollInterval = time.Second
 
+// MirrorConfig configures a Mirror.
+type MirrorConfig struct {
+	// Auth is etcd's Auth service, reached with the proxy's own
+	// credentials, which must hold the root role to read users and roles.
+	Auth pb.AuthClient
+	// EnabledProbe, if set, tells cheaply whether auth is enabled (a
+	// serializable read by an anonymous caller fails with "user name is
+	// empty" exactly then), so that AuthStatus, a raft proposal, is paid
+	// for only while it is.
+	EnabledProbe func(ctx context.Context) (bool, error)
+	// JWT, if set, is etcd's JWT token provider, with which checkers
+	// verify JWTs.
+	JWT      auth.TokenProvider
+	Interval time.Duration // DefaultPollInterval if 0
+	Logger   *zap.Logger
+}
+
 // Mirror follows etcd's auth state: whether auth is enabled, from
 // AuthStatus (which needs no permission), and a Checker of the users, roles
 // and permissions at etcd's auth revision, which needs the root role.
 type Mirror struct {
-	ac       pb.AuthClient
-	lg       *zap.Logger
-	interval time.Duration
-	// enabledProbe, if set, tells cheaply whether auth is enabled, so that
-	// AuthStatus, a raft proposal, is paid for only while it is.
-	enabledProbe func(ctx context.Context) (bool, error)
+	cfg MirrorConfig
+	// status is the AuthStatus that proofs share (Status).
+	status *coalesce.Call[*pb.AuthStatusResponse]
+	kick   chan struct{} // a poll is wanted now
 
 	mu sync.Mutex
 	// Guarded by mu.
-	known    bool     // AuthStatus has answered at least once
-	enabled  bool     // auth was enabled at the last AuthStatus
-	revision uint64   // the auth revision of the last AuthStatus
-	checker  *Checker // at revision; nil when it could not be read
-	readErr  error    // why checker could not be read
+	known    bool          // AuthStatus has answered at least once
+	enabled  bool          // auth was enabled at the last AuthStatus
+	revision uint64        // the auth revision of the last AuthStatus
+	checker  *Checker      // at revision; nil when it could not be read
+	readErr  error         // why checker could not be read
+	changed  chan struct{} // closed, and replaced, when checker changes
 }
 
-// NewMirror returns a mirror that reads etcd's auth state through ac, with
-// the proxy's own credentials; it does nothing until Run. enabledProbe, if
-// not nil, is a cheap way to learn whether auth is enabled (a serializable
-// read by an anonymous caller fails with "user name is empty" exactly
-// then): while it says disabled, AuthStatus is not called.
-func NewMirror(ac pb.AuthClient, enabledProbe func(ctx context.Context) (bool, error), lg *zap.Logger, interval time.Duration) *Mirror {
-	if interval <= 0 {
-		interval = DefaultPollInterval
+// NewMirror returns a mirror; it does nothing until Run.
+func NewMirror(cfg MirrorConfig) *Mirror {
+	if cfg.Interval <= 0 {
+		cfg.Interval = DefaultPollInterval
 	}
-	return &Mirror{ac: ac, enabledProbe: enabledProbe, lg: lg, interval: interval}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	m := &Mirror{cfg: cfg, kick: make(chan struct{}, 1), changed: make(chan struct{})}
+	m.status = coalesce.New(func(ctx context.Context) (*pb.AuthStatusResponse, error) {
+		ctx, cancel := context.WithTimeout(ctx, statusTimeout)
+		defer cancel()
+		return m.cfg.Auth.AuthStatus(ctx, &pb.AuthStatusRequest{})
+	})
+	return m
 }
+
+// statusTimeout bounds one shared AuthStatus; callers give up earlier with
+// their own contexts.
+const statusTimeout = 10 * time.Second
 
 // Run polls etcd's auth status until ctx is done, and reads the users and
-// roles again whenever the auth revision moves.
+// roles again whenever the auth revision moves. It owns the shared
+// AuthStatus of Status, and waits for it before returning.
 func (m *Mirror) Run(ctx context.Context) {
-	t := time.NewTicker(m.interval)
+	m.status.Start(ctx)
+	defer m.status.Stop()
+	t := time.NewTicker(m.cfg.Interval)
 	defer t.Stop()
 	for {
 		m.poll(ctx)
@@ -58,6 +92,7 @@ func (m *Mirror) Run(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		case <-m.kick:
 		}
 	}
 }
@@ -66,49 +101,36 @@ func (m *Mirror) poll(ctx context.Context) {
 	m.mu.Lock()
 	known, enabled := m.known, m.enabled
 	m.mu.Unlock()
-	if m.enabledProbe != nil && (!known || !enabled) {
-		on, err := m.enabledProbe(ctx)
+	if m.cfg.EnabledProbe != nil && (!known || !enabled) {
+		on, err := m.cfg.EnabledProbe(ctx)
 		if err != nil {
 			return // unknown: try again at the next poll
 		}
 		if !on {
-			m.mu.Lock()
-			m.known, m.enabled = true, false
-			m.mu.Unlock()
+			m.observe(false, 0)
 			return
 		}
 	}
-	st, err := m.ac.AuthStatus(ctx, &pb.AuthStatusRequest{})
+	st, err := m.cfg.Auth.AuthStatus(ctx, &pb.AuthStatusRequest{})
 	if err != nil {
 		if ctx.Err() == nil {
-			m.lg.Debug("reading etcd's auth status failed", zap.Error(err))
+			m.cfg.Logger.Debug("reading etcd's auth status failed", zap.Error(err))
 		}
 		return
 	}
-	m.mu.Lock()
-	// A failed read is tried again at every poll, but warned about once.
-	wasEnabled, stale := m.enabled, !m.known || st.AuthRevision != m.revision || m.checker == nil
-	m.known, m.enabled, m.revision = true, st.Enabled, st.AuthRevision
-	if stale {
-		m.checker = nil
-	}
-	m.mu.Unlock()
-	if st.Enabled != wasEnabled {
-		m.lg.Info("etcd auth", zap.Bool("enabled", st.Enabled), zap.Uint64("auth-revision", st.AuthRevision))
-	}
-	if !stale {
+	if !m.observe(st.Enabled, st.AuthRevision) {
 		return
 	}
-	snap, err := Fetch(ctx, m.ac)
+	snap, err := Fetch(ctx, m.cfg.Auth)
 	var c *Checker
 	if err == nil {
-		c, err = NewChecker(snap)
+		c, err = NewChecker(snap, m.cfg.JWT)
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if err != nil {
 		if m.readErr == nil && ctx.Err() == nil {
-			m.lg.Warn("cannot mirror etcd's users and roles (the proxy's identity needs the root role); requests that need them go to etcd or are refused", zap.Error(err))
+			m.cfg.Logger.Warn("cannot mirror etcd's users and roles (the proxy's identity needs the root role); token requests go to etcd, certificate identities are refused", zap.Error(err))
 		}
 		m.readErr = err
 		return
@@ -116,7 +138,33 @@ func (m *Mirror) poll(ctx context.Context) {
 	if snap.Revision >= m.revision {
 		m.checker, m.readErr = c, nil
 		m.enabled, m.revision = snap.Enabled, snap.Revision
+		close(m.changed)
+		m.changed = make(chan struct{})
 	}
+}
+
+// observe records an auth state etcd reported, and reports whether the
+// checker must be read again. A state from auth disabled (the cheap probe)
+// carries no revision.
+func (m *Mirror) observe(enabled bool, rev uint64) (stale bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.known && rev != 0 && rev < m.revision {
+		return false // an older answer than one already seen
+	}
+	if enabled != m.enabled || !m.known {
+		m.cfg.Logger.Info("etcd auth", zap.Bool("enabled", enabled), zap.Uint64("auth-revision", rev))
+	}
+	m.known, m.enabled = true, enabled
+	if !enabled && rev == 0 {
+		return false
+	}
+	stale = m.checker == nil || rev != m.revision
+	m.revision = rev
+	if stale {
+		m.checker = nil
+	}
+	return stale
 }
 
 // Enabled reports whether etcd has auth enabled, as of the last poll, and
@@ -133,4 +181,52 @@ func (m *Mirror) Checker() *Checker {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.checker
+}
+
+// Status is etcd's auth state from an AuthStatus that started after the
+// call, shared with the calls that arrive while it waits: the auth state
+// as of a moment after the caller's request arrived, which binds that
+// request as it binds it in etcd.
+func (m *Mirror) Status(ctx context.Context) (enabled bool, rev uint64, err error) {
+	st, err := m.status.Do(ctx)
+	if err != nil {
+		return false, 0, err
+	}
+	if m.observe(st.Enabled, st.AuthRevision) {
+		m.poke()
+	}
+	return st.Enabled, st.AuthRevision, nil
+}
+
+// ErrNoMirror says the proxy cannot read etcd's users and roles.
+var ErrNoMirror = status.Error(codes.Unavailable, "etcd-snapcache: cannot check this caller's permissions: the proxy's own etcd identity cannot read etcd's users and roles (it needs the root role)")
+
+// CheckerAt returns a checker of auth revision rev or later, waiting for
+// the mirror to read it. It fails with ErrNoMirror while the users and
+// roles cannot be read.
+func (m *Mirror) CheckerAt(ctx context.Context, rev uint64) (*Checker, error) {
+	for {
+		m.mu.Lock()
+		c, changed, readErr := m.checker, m.changed, m.readErr
+		m.mu.Unlock()
+		if c != nil && c.Revision() >= rev {
+			return c, nil
+		}
+		if readErr != nil && c == nil {
+			return nil, fmt.Errorf("%w: %w", ErrNoMirror, readErr)
+		}
+		m.poke()
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}
+
+func (m *Mirror) poke() {
+	select {
+	case m.kick <- struct{}{}:
+	default:
+	}
 }
