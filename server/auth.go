@@ -20,111 +20,352 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 )
 
+// Where each caller's requests are checked:
+//
+//   - Reads (Range, RangeStream) and watch creates are answered from the
+//     cache, so the proxy checks them itself, with etcd's auth store on the
+//     mirror (authorizeRead, authorizeWatch), for every caller whose
+//     identity it knows: a certificate's common name, a token issued
+//     through it, a JWT it verified. A token it cannot attribute goes to
+//     etcd with its read, or its watch stream is relayed whole.
+//   - Every other request goes to etcd. A token caller's goes with its
+//     token, and an anonymous caller's without identity: etcd checks them.
+//     A certificate caller's cannot go as that user (the proxy's
+//     connection carries the proxy's identity), so the proxy checks it
+//     first with the upstream release's rules and then sends it as itself
+//     (admit); so too an anonymous caller's, when the proxy's connection
+//     carries a certificate identity that etcd would take for the caller.
+//
+// A linearizable read and a checked forwarded request are checked at an
+// auth revision from a shared AuthStatus that started after the request
+// arrived (freshAuth): a grant or revoke made before the request binds it,
+// as in etcd; one racing with it lands either way. Serializable reads and
+// new watches use the mirror, at most about a second behind.
+
 // errAuthUnknown answers a caller the proxy cannot yet tell etcd's auth
 // state for; clients retry.
 var errAuthUnknown = status.Error(codes.Unavailable, "etcd-snapcache: etcd's auth state is not known yet; retry")
 
-// Who calls, for now: a caller with a token is checked by etcd, to which
-// its requests go with its token; every other caller is anonymous, as in
-// front of an etcd without --client-cert-auth. While auth is enabled, etcd
-// refuses an anonymous caller every read and watch with "user name is
-// empty", and so does the proxy, whose cache would otherwise answer them.
-func hasToken(ctx context.Context) bool { return tokenOf(ctx) != "" }
+// errReleaseUnknown answers a checked request while the upstream's release,
+// whose rules the check follows, is not known.
+var errReleaseUnknown = status.Error(codes.Unavailable, "etcd-snapcache: etcd's release is not known yet, so its permission rules are not; retry")
+
+// anonymousChecker answers every question about an anonymous caller with
+// auth enabled, which never depends on the users and roles.
+var anonymousChecker = func() *authcache.Checker {
+	c, err := authcache.NewChecker(authcache.Snapshot{Enabled: true, Revision: 1}, nil)
+	if err != nil {
+		panic(err)
+	}
+	return c
+}()
+
+// authFor returns the checker that binds a request of c, and c's identity
+// in it: a nil checker when auth is disabled (everything is allowed). With
+// fresh, the auth state is proven as of after the request arrived.
+// kvproxy.ErrAskEtcd says only etcd can judge c (a token the proxy cannot
+// attribute, or no mirror to check it with).
+func (s *Server) authFor(ctx context.Context, c caller, fresh bool) (*authcache.Checker, authcache.Identity, error) {
+	var none authcache.Identity
+	enabled, rev := false, uint64(0)
+	if fresh {
+		var err error
+		if enabled, rev, err = s.freshAuth(ctx); err != nil {
+			if c.kind == tokenCaller {
+				return nil, none, kvproxy.ErrAskEtcd
+			}
+			if ctx.Err() != nil {
+				return nil, none, status.FromContextError(ctx.Err()).Err()
+			}
+			return nil, none, status.Errorf(codes.Unavailable, "etcd-snapcache: reading etcd's auth state: %v", err)
+		}
+	} else {
+		var known bool
+		if enabled, known = s.authMirror.Enabled(); !known {
+			if c.kind == tokenCaller {
+				return nil, none, kvproxy.ErrAskEtcd
+			}
+			return nil, none, errAuthUnknown
+		}
+	}
+	if !enabled {
+		return nil, none, nil
+	}
+	chk := s.authMirror.Checker()
+	if rev != 0 && (chk == nil || chk.Revision() < rev) {
+		var err error
+		cctx, cancel := context.WithTimeout(ctx, s.cfg.FreshnessTimeout)
+		chk, err = s.authMirror.CheckerAt(cctx, rev)
+		cancel()
+		if err != nil {
+			chk = nil
+		}
+	}
+	switch {
+	case c.kind == anonymous:
+		if chk == nil {
+			chk = anonymousChecker
+		}
+		return chk, none, nil
+	case chk == nil && c.kind == tokenCaller:
+		return nil, none, kvproxy.ErrAskEtcd
+	case chk == nil:
+		s.noMirrorLog.Do(func() {
+			s.lg.Error("refusing certificate-identified requests while auth is enabled: the proxy cannot read etcd's users and roles to check them; give it root credentials (--user)")
+		})
+		return nil, none, authcache.ErrNoMirror
+	case c.kind == certCaller:
+		return chk, authcache.User(c.cn), nil
+	}
+	id, err := s.tokenIdentity(ctx, c.token, chk)
+	return chk, id, err
+}
+
+// tokenIdentity is the identity of a token at chk's auth revision: a JWT
+// verified with etcd's key, or a simple token issued through the proxy
+// that etcd accepted recently at that revision (shown to etcd again when
+// it was not). kvproxy.ErrAskEtcd: the proxy cannot attribute it.
+func (s *Server) tokenIdentity(ctx context.Context, token string, chk *authcache.Checker) (authcache.Identity, error) {
+	if id, err := chk.TokenIdentity(ctx); err == nil {
+		return id, nil
+	}
+	if user, ok := s.tokens.trusted(token, chk.Revision(), s.cfg.AuthTokenCheckInterval); ok {
+		return authcache.User(user), nil
+	}
+	if !s.tokens.known(token) {
+		return authcache.Identity{}, kvproxy.ErrAskEtcd
+	}
+	if err := s.verifyToken(ctx); err != nil {
+		return authcache.Identity{}, err
+	}
+	if user, ok := s.tokens.trusted(token, chk.Revision(), s.cfg.AuthTokenCheckInterval); ok {
+		return authcache.User(user), nil
+	}
+	return authcache.Identity{}, kvproxy.ErrAskEtcd
+}
+
+// verifyToken shows the caller's token to etcd with the cheapest request
+// etcd checks it for, a serializable count of one key: etcd's answer
+// tells whether the token is valid (watchTokens records it), and, being a
+// use, keeps a simple token alive in etcd. An invalid token gets etcd's
+// error; any other failure leaves the judgement to etcd.
+func (s *Server) verifyToken(ctx context.Context) error {
+	_, err := s.probeKV.Range(ctx, &pb.RangeRequest{Key: authProbeKey, CountOnly: true, Serializable: true})
+	switch e := rpctypes.Error(err); {
+	case err == nil, errors.Is(e, rpctypes.ErrPermissionDenied):
+		return nil
+	case errors.Is(e, rpctypes.ErrInvalidAuthToken):
+		return rpctypes.ErrGRPCInvalidAuthToken
+	}
+	return kvproxy.ErrAskEtcd
+}
+
+// freshAuth is etcd's auth state as of after the call: whether auth is
+// enabled and, if it is, the auth revision. While auth is disabled it
+// costs nothing when the proxy's own identity is anonymous (then every
+// read fence and forwarded request is anonymous, and etcd refuses it if
+// auth was enabled meanwhile), or one shared anonymous quorum read;
+// otherwise, and while auth is enabled, a shared AuthStatus.
+func (s *Server) freshAuth(ctx context.Context) (bool, uint64, error) {
+	if on, known := s.authMirror.Enabled(); known && !on {
+		switch {
+		case s.cfg.User == "" && s.upstreamCN == "":
+			return false, 0, nil
+		case s.upstreamCN == "":
+			on, err := s.disabledProof.Do(ctx)
+			if err != nil {
+				return false, 0, err
+			}
+			if !on {
+				return false, 0, nil
+			}
+		}
+	}
+	return s.authMirror.Status(ctx)
+}
+
+// authEnabledNow is the disabled proof's call: a linearizable count of one
+// key by an anonymous caller, which etcd refuses with "user name is empty"
+// exactly while auth is enabled.
+func (s *Server) authEnabledNow(ctx context.Context) (bool, error) {
+	_, err := pb.NewKVClient(s.client.ActiveConnection()).Range(ctx, &pb.RangeRequest{Key: authProbeKey, CountOnly: true})
+	switch {
+	case err == nil:
+		return false, nil
+	case errors.Is(rpctypes.Error(err), rpctypes.ErrUserEmpty):
+		return true, nil
+	}
+	return false, err
+}
 
 // authorizeRead is etcd's permission check of a read (kvproxy's
-// Authorize). An anonymous caller while auth is enabled gets etcd's
-// refusal. A caller with a token the proxy can attribute (issued through
-// it, accepted by etcd within tokenVerifyInterval at the mirrored auth
-// revision) is checked with etcd's own code on the mirror, and an allowed
-// serializable or historical read is served from the cache. Every other
-// token read, and every linearizable one (whose permissions must be as of
-// its start, which the mirror cannot prove yet), goes to etcd.
+// Authorize), for the caller of ctx.
 func (s *Server) authorizeRead(ctx context.Context, key, rangeEnd []byte, linearizable bool) error {
-	token := tokenOf(ctx)
-	if token == "" {
-		return s.anonymousRefusal()
+	c := s.callerOf(ctx)
+	chk, id, err := s.authFor(ctx, c, linearizable)
+	if err != nil || chk == nil {
+		return err
 	}
-	enabled, known := s.authMirror.Enabled()
-	switch {
-	case linearizable || !known:
-		return kvproxy.ErrAskEtcd
-	case !enabled:
-		return nil // etcd ignores tokens while auth is disabled
-	}
-	c := s.authMirror.Checker()
-	if c == nil {
-		return kvproxy.ErrAskEtcd
-	}
-	user, ok := s.tokens.trusted(token, c.Revision())
-	if !ok {
-		return kvproxy.ErrAskEtcd
-	}
-	return c.CheckRange(authcache.Identity{User: user}, key, rangeEnd)
+	return chk.CheckRange(id, key, rangeEnd)
 }
 
 // authorizeWatch is etcd's permission check of a watch create on a stream
-// the proxy serves: streams with a token are relayed to etcd whole, so an
-// anonymous caller's, refused while auth is enabled.
-func (s *Server) authorizeWatch(ctx context.Context, _, _ []byte) error {
-	if hasToken(ctx) {
-		return nil
-	}
-	return s.anonymousRefusal()
-}
-
-// anonymousRefusal is etcd's answer to an anonymous caller of a request it
-// checks: "user name is empty" while auth is enabled, nothing otherwise.
-func (s *Server) anonymousRefusal() error {
-	enabled, known := s.authMirror.Enabled()
+// the proxy serves (watchproxy's Authorize). Streams whose token the proxy
+// cannot attribute are relayed (relayWatch); one that it could at the
+// start but cannot now is refused with Unavailable, which clients retry.
+func (s *Server) authorizeWatch(ctx context.Context, key, rangeEnd []byte) error {
+	c := s.callerOf(ctx)
+	chk, id, err := s.authFor(ctx, c, false)
 	switch {
-	case !known:
+	case errors.Is(err, kvproxy.ErrAskEtcd):
 		return errAuthUnknown
-	case enabled:
-		return rpctypes.ErrGRPCUserEmpty
+	case err != nil || chk == nil:
+		return err
 	}
-	return nil
+	return chk.CheckRange(id, key, rangeEnd)
 }
 
-// unchecked are the methods etcd answers without an identity, and those
-// whose permission the proxy checks itself (reads and watches).
-var unchecked = map[string]bool{
-	"/etcdserverpb.Auth/Authenticate": true,
-	"/etcdserverpb.Auth/AuthStatus":   true,
-	"/etcdserverpb.KV/Range":          true,
-	"/etcdserverpb.KV/RangeStream":    true,
-	"/etcdserverpb.Watch/Watch":       true,
-}
-
-// lendsIdentity reports whether a request the proxy forwards without a
-// token runs as the proxy's own upstream identity: its client certificate
-// carries a common name, which etcd with --client-cert-auth takes for a
-// user name. Such a request must not reach etcd from an anonymous caller.
-func (s *Server) lendsIdentity(method string) bool {
-	return s.upstreamCN != "" && !unchecked[method] && !strings.HasPrefix(method, "/grpc.health.v1.")
-}
-
-// gate refuses, while auth is enabled, the forwarded requests of anonymous
-// callers that would otherwise run as the proxy's certificate identity.
-// etcd answers an anonymous caller "user name is empty" for them.
-func (s *Server) gate(ctx context.Context, method string) error {
-	if !s.lendsIdentity(method) || hasToken(ctx) {
-		return nil
+// relayWatch reports whether a watch stream must be relayed to etcd whole:
+// its token is one the proxy cannot attribute.
+func (s *Server) relayWatch(ctx context.Context) bool {
+	c := s.callerOf(ctx)
+	if c.kind != tokenCaller {
+		return false
 	}
-	return s.anonymousRefusal()
+	_, _, err := s.authFor(ctx, c, false)
+	return errors.Is(err, kvproxy.ErrAskEtcd)
+}
+
+// Methods the read and watch servers check themselves, and those etcd
+// answers without an identity.
+const (
+	methodRange        = "/etcdserverpb.KV/Range"
+	methodRangeStream  = "/etcdserverpb.KV/RangeStream"
+	methodWatch        = "/etcdserverpb.Watch/Watch"
+	methodAuthenticate = "/etcdserverpb.Auth/Authenticate"
+	methodAuthStatus   = "/etcdserverpb.Auth/AuthStatus"
+)
+
+// admit decides how a request reaches its handler: the context it runs
+// under (marked to go upstream as the proxy when the proxy checked it for
+// a certificate caller), or etcd's refusal. The refusal of a streaming
+// request's messages comes from check, for each message received.
+func (s *Server) admit(ctx context.Context, method string) (_ context.Context, check func(req any) error) {
+	switch {
+	case method == methodRange || method == methodRangeStream || method == methodWatch:
+		// Checked per read and per watch create by their servers.
+		if s.callerOf(ctx).kind == certCaller {
+			return asProxy(ctx), nil
+		}
+		return ctx, nil
+	case method == methodAuthenticate || method == methodAuthStatus || strings.HasPrefix(method, "/grpc.health.v1."):
+		return ctx, nil
+	}
+	c := s.callerOf(ctx)
+	switch {
+	case c.kind == tokenCaller:
+		return ctx, nil // with its token: etcd checks it
+	case c.kind == anonymous && s.upstreamCN == "":
+		return ctx, nil // without identity: etcd checks it
+	}
+	check = func(req any) error { return s.checkForwarded(ctx, c, method, req) }
+	if c.kind == certCaller {
+		ctx = asProxy(ctx)
+	}
+	return ctx, check
+}
+
+// checkForwarded is etcd's check of a request the proxy sends to etcd as
+// itself, with the upstream release's rules, at a fresh auth revision.
+func (s *Server) checkForwarded(ctx context.Context, c caller, method string, req any) error {
+	chk, id, err := s.authFor(ctx, c, true)
+	if err != nil || chk == nil {
+		return err
+	}
+	rules, err := authcache.RulesFor(s.follower.UpstreamVersion())
+	if err != nil {
+		return errReleaseUnknown
+	}
+	var leases authcache.Leases
+	if ids, all := rules.LeasesNeeded(req); (len(ids) > 0 || all) && chk.CheckAdmin(id) != nil {
+		if leases, err = s.leaseKeys(ctx, ids, all); err != nil {
+			return err
+		}
+	}
+	return chk.CheckRequest(id, method, req, rules, leases)
+}
+
+// leaseKeys reads the keys attached to leases from etcd, as the proxy: the
+// leases ids, or every lease.
+func (s *Server) leaseKeys(ctx context.Context, ids []int64, all bool) (authcache.Leases, error) {
+	lc := pb.NewLeaseClient(s.own.ActiveConnection())
+	if all {
+		resp, err := lc.LeaseLeases(ctx, &pb.LeaseLeasesRequest{})
+		if err != nil {
+			return nil, err
+		}
+		ids = ids[:0]
+		for _, l := range resp.Leases {
+			ids = append(ids, l.ID)
+		}
+	}
+	leases := authcache.Leases{}
+	for _, id := range ids {
+		resp, err := lc.LeaseTimeToLive(ctx, &pb.LeaseTimeToLiveRequest{ID: id, Keys: true})
+		switch {
+		case errors.Is(rpctypes.Error(err), rpctypes.ErrLeaseNotFound):
+			continue
+		case err != nil:
+			return nil, err
+		case resp.TTL == -1:
+			continue // etcd's answer for a lease that does not exist
+		}
+		keys := make([]string, len(resp.Keys))
+		for i, k := range resp.Keys {
+			keys[i] = string(k)
+		}
+		leases[id] = keys
+	}
+	return leases, nil
 }
 
 func (s *Server) gateUnary(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-	if err := s.gate(ctx, info.FullMethod); err != nil {
-		return nil, err
+	ctx, check := s.admit(ctx, info.FullMethod)
+	if check != nil {
+		if err := check(req); err != nil {
+			return nil, err
+		}
 	}
 	return handler(ctx, req)
 }
 
 func (s *Server) gateStream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
-	if err := s.gate(ss.Context(), info.FullMethod); err != nil {
+	ctx, check := s.admit(ss.Context(), info.FullMethod)
+	if ctx == ss.Context() && check == nil {
+		return handler(srv, ss)
+	}
+	return handler(srv, &checkedStream{ServerStream: ss, ctx: ctx, check: check})
+}
+
+// checkedStream is a client stream whose every received message is
+// checked before its handler sees it, and whose context may mark its
+// upstream calls as the proxy's.
+type checkedStream struct {
+	grpc.ServerStream
+	ctx   context.Context
+	check func(req any) error // nil: none
+}
+
+func (c *checkedStream) Context() context.Context { return c.ctx }
+
+func (c *checkedStream) RecvMsg(m any) error {
+	if err := c.ServerStream.RecvMsg(m); err != nil {
 		return err
 	}
-	return handler(srv, ss)
+	if c.check != nil {
+		return c.check(m)
+	}
+	return nil
 }
 
 // certCommonName returns the common name of the first certificate in a
@@ -170,5 +411,5 @@ func (s *Server) authEnabledProbe() func(ctx context.Context) (bool, error) {
 	}
 }
 
-// authProbeKey is read, never written, by authEnabledProbe.
+// authProbeKey is read, never written, by the proxy's probes.
 var authProbeKey = []byte("\x00etcd-snapcache-auth-probe")

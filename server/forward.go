@@ -47,6 +47,24 @@ func forwardStreamMetadata(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.
 	return streamer(withCallerMetadata(ctx), desc, cc, method, opts...)
 }
 
+// lendUnary sends a call marked asProxy (a request this proxy checked for
+// a certificate caller) on the connection of the proxy's own identity
+// (--user) instead of the forwarding one. Without --user the forwarding
+// connection is that identity: its client certificate's.
+func (s *Server) lendUnary(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	if isAsProxy(ctx) && s.own != s.client {
+		return s.own.ActiveConnection().Invoke(ctx, method, req, reply, opts...)
+	}
+	return invoker(ctx, method, req, reply, cc, opts...)
+}
+
+func (s *Server) lendStream(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	if isAsProxy(ctx) && s.own != s.client {
+		return s.own.ActiveConnection().NewStream(ctx, desc, method, opts...)
+	}
+	return streamer(ctx, desc, cc, method, opts...)
+}
+
 // clusterServer forwards the Cluster service, except MemberList, which
 // follows grpc-proxy: with an advertised client URL, it names the proxy as
 // the only member, so that clients that sync their endpoints from the

@@ -94,12 +94,14 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		FragmentBytes:          s.cfg.MaxRequestBytes + grpcOverheadBytes,
 		Inconsistent:           s.checker.Fallback,
 		Authorize:              s.authorizeWatch,
+		Relay:                  s.relayWatch,
 		Logger:                 s.lg.Named("watch"),
 		Metrics:                watchproxy.NewMetrics(s.registry),
 	})
 	pb.RegisterWatchServer(gs, s.watch)
 	s.keepAlives = newKeepAlives(ctx, pb.NewLeaseClient(conn), s.lg.Named("lease"))
-	pb.RegisterLeaseServer(gs, &leaseServer{upstream: pb.NewLeaseClient(conn), ka: s.keepAlives})
+	s.asProxyKeepAlives = newKeepAlives(asProxy(ctx), pb.NewLeaseClient(conn), s.lg.Named("lease"))
+	pb.RegisterLeaseServer(gs, &leaseServer{upstream: pb.NewLeaseClient(conn), ka: s.keepAlives, asProxyKA: s.asProxyKeepAlives, callerOf: s.callerOf})
 	pb.RegisterClusterServer(gs, s.newClusterServer())
 	pb.RegisterMaintenanceServer(gs, grpcproxy.NewMaintenanceProxy(s.client))
 	pb.RegisterAuthServer(gs, &authServer{AuthServer: grpcproxy.NewAuthProxy(s.client), learn: func(token, user string) {

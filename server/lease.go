@@ -15,6 +15,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/streamrelay"
 )
 
 // keepAliveBuffer bounds the responses queued for one client stream. A
@@ -26,12 +27,17 @@ const keepAliveBuffer = 64
 var errKeepAliveBacklog = status.Error(codes.ResourceExhausted, "etcd-snapcache: lease keepalive responses not read")
 
 // leaseServer forwards the Lease service. Unary calls are relayed as they
-// are; every client's KeepAlive stream is multiplexed onto one upstream
-// stream by a keepAlives coalescer.
+// are. KeepAlive streams are multiplexed onto one upstream stream per
+// identity by keepAlives coalescers: the anonymous callers' (ka) and, for
+// certificate callers, whose every request the gate checked, the proxy's
+// (asProxyKA). A token caller's stream is relayed to etcd, which checks
+// each keepalive under that token.
 type leaseServer struct {
 	pb.UnsafeLeaseServer
-	upstream pb.LeaseClient
-	ka       *keepAlives
+	upstream  pb.LeaseClient
+	ka        *keepAlives
+	asProxyKA *keepAlives
+	callerOf  func(ctx context.Context) caller
 }
 
 var _ pb.LeaseServer = (*leaseServer)(nil)
@@ -57,6 +63,17 @@ func (l *leaseServer) LeaseLeases(ctx context.Context, r *pb.LeaseLeasesRequest)
 // arrived, so the lease's new deadline is never earlier than etcd would give.
 func (l *leaseServer) LeaseKeepAlive(stream pb.Lease_LeaseKeepAliveServer) error {
 	ctx := stream.Context()
+	ka := l.ka
+	switch l.callerOf(ctx).kind {
+	case tokenCaller:
+		up, err := l.upstream.LeaseKeepAlive(ctx)
+		if err != nil {
+			return err
+		}
+		return streamrelay.Relay[pb.LeaseKeepAliveRequest, pb.LeaseKeepAliveResponse](up, stream)
+	case certCaller:
+		ka = l.asProxyKA
+	}
 	w := newKeepAliveWaiter(ctx.Done())
 	errc := make(chan error, 1)
 	// The receive goroutine is owned by the client stream: it ends when
@@ -68,7 +85,7 @@ func (l *leaseServer) LeaseKeepAlive(stream pb.Lease_LeaseKeepAliveServer) error
 				errc <- err
 				return
 			}
-			l.ka.request(req.ID, w)
+			ka.request(req.ID, w)
 		}
 	}()
 	halfClosed := false

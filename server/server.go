@@ -27,6 +27,7 @@ import (
 
 	"github.com/etcd-snapcache/etcd-snapcache/authcache"
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/coalesce"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
@@ -201,6 +202,9 @@ func (cfg Config) withDefaults() Config {
 	orDefault(&cfg.GRPCKeepAliveMinTime, defaultKeepAliveMinTime)
 	orDefault(&cfg.GRPCKeepAliveInterval, defaultKeepAliveInterval)
 	orDefault(&cfg.GRPCKeepAliveTimeout, defaultKeepAliveTimeout)
+	if cfg.FreshnessTimeout <= 0 {
+		cfg.FreshnessTimeout = kvproxy.DefaultFreshnessTimeout
+	}
 	if cfg.MaxRequestBytes <= 0 {
 		cfg.MaxRequestBytes = defaultMaxRequestBytes
 	}
@@ -235,19 +239,27 @@ type Server struct {
 	upstreamCN string
 	authMirror *authcache.Mirror
 	tokens     *tokens // the callers' tokens the proxy can attribute
-	store      *revtree.Store
-	follower   *progress.Follower
-	registry   *prometheus.Registry
+	// probeKV reads etcd through the forwarding connection: with a
+	// caller's context it shows etcd the caller's token.
+	probeKV pb.KVClient
+	// disabledProof shares the anonymous quorum reads that prove auth
+	// disabled (freshAuth).
+	disabledProof *coalesce.Call[bool]
+	noMirrorLog   sync.Once // the error of refusing certificate callers
+	store         *revtree.Store
+	follower      *progress.Follower
+	registry      *prometheus.Registry
 
-	grpcServer  *grpc.Server
-	clientLis   net.Listener // gRPC and HTTP
-	clientHTTP  *http.Server
-	metricsLis  net.Listener // nil without MetricsAddr
-	metricsHTTP *http.Server
-	health      *health.Server
-	checker     *hashcheck.Checker
-	keepAlives  *keepAlives
-	watch       *watchproxy.Server
+	grpcServer        *grpc.Server
+	clientLis         net.Listener // gRPC and HTTP
+	clientHTTP        *http.Server
+	metricsLis        net.Listener // nil without MetricsAddr
+	metricsHTTP       *http.Server
+	health            *health.Server
+	checker           *hashcheck.Checker
+	keepAlives        *keepAlives // anonymous callers' keepalives
+	asProxyKeepAlives *keepAlives // certificate callers', checked, as the proxy
+	watch             *watchproxy.Server
 	// clientDone are closed when goroutines of etcd's grpcproxy that live
 	// as long as the upstream client end, after it is closed.
 	clientDone []<-chan struct{}
@@ -296,7 +308,18 @@ func Start(cfg Config) (*Server, error) {
 			return nil, err
 		}
 	}
-	s.authMirror = authcache.NewMirror(pb.NewAuthClient(s.own.ActiveConnection()), s.authEnabledProbe(), s.lg.Named("auth"), 0)
+	jwt, err := authcache.NewJWTProvider(s.lg.Named("auth"), cfg.AuthToken)
+	if err != nil {
+		return nil, fmt.Errorf("--auth-token: %w", err)
+	}
+	s.authMirror = authcache.NewMirror(authcache.MirrorConfig{
+		Auth:         pb.NewAuthClient(s.own.ActiveConnection()),
+		EnabledProbe: s.authEnabledProbe(),
+		JWT:          jwt,
+		Logger:       s.lg.Named("auth"),
+	})
+	s.probeKV = pb.NewKVClient(s.client.ActiveConnection())
+	s.disabledProof = coalesce.New(s.authEnabledNow)
 
 	s.store = revtree.New(cfg.BTreeDegree)
 	s.follower = progress.New(progress.Config{
@@ -358,11 +381,17 @@ func Start(cfg Config) (*Server, error) {
 		s.serve("metrics", func() error { return s.metricsHTTP.Serve(s.metricsLis) })
 	}
 	s.run(func() { s.keepAlives.run() })
+	s.run(func() { s.asProxyKeepAlives.run() })
 	if cfg.ConsistencyCheckInterval >= 0 {
 		s.run(func() { s.checker.Run(ctx) })
 	}
 	s.run(func() { s.follower.Run(ctx) })
 	s.run(func() { s.authMirror.Run(ctx) })
+	s.disabledProof.Start(ctx)
+	s.run(func() {
+		<-ctx.Done()
+		s.disabledProof.Stop()
+	})
 	s.run(func() {
 		select {
 		case <-s.follower.Ready():

@@ -14,16 +14,16 @@ import (
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 )
 
-// tokenVerifyInterval is how long a token etcd accepted may be trusted for
-// cached reads before a read goes to etcd with it again. That read proves
-// the token is still valid (etcd ends simple tokens on user deletion, a
-// password change and --auth-token-ttl without use) and, being a use,
-// keeps it alive in etcd: a caller served from the cache never sees its
-// token expire where etcd's would not.
-const tokenVerifyInterval = 5 * time.Second
-
 // tokens are the auth tokens the proxy can attribute: those issued by
 // Authenticate through it, to the user they were issued to.
+//
+// A token is trusted for cached reads for --auth-token-check-interval
+// after etcd last accepted it, at the auth revision of that acceptance;
+// then it is shown to etcd again (Server.verifyToken). That proves it is
+// still valid (etcd ends simple tokens on user deletion, a password change
+// and --auth-token-ttl without use, and the first two move the auth
+// revision) and, being a use, keeps it alive in etcd: a caller served from
+// the cache never sees its token expire where etcd's would not.
 type tokens struct {
 	mu sync.Mutex
 	// Guarded by mu.
@@ -48,16 +48,24 @@ func (t *tokens) issued(token, user string, rev uint64) {
 	t.byToken[token] = &tokenEntry{user: user, verifiedAt: time.Now(), verifiedRev: rev}
 }
 
-// trusted returns the user of token if etcd accepted it within
-// tokenVerifyInterval and at auth revision rev.
-func (t *tokens) trusted(token string, rev uint64) (string, bool) {
+// trusted returns the user of token if etcd accepted it within interval
+// and at auth revision rev.
+func (t *tokens) trusted(token string, rev uint64, interval time.Duration) (string, bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	e := t.byToken[token]
-	if e == nil || e.verifiedRev != rev || time.Since(e.verifiedAt) > tokenVerifyInterval {
+	if e == nil || e.verifiedRev != rev || time.Since(e.verifiedAt) > interval {
 		return "", false
 	}
 	return e.user, true
+}
+
+// known reports whether token was issued through the proxy and not found
+// invalid since.
+func (t *tokens) known(token string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.byToken[token] != nil
 }
 
 // answered records etcd's answer to a request forwarded with token: any

@@ -16,41 +16,41 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // TestTokensTrustOnlyWhatEtcdAcceptedRecently: a token is trusted for cached
 // reads only at the auth revision etcd accepted it at and within
-// tokenVerifyInterval; etcd's invalid-token answer ends it, a permission
+// the check interval; etcd's invalid-token answer ends it, a permission
 // refusal proves it valid.
 func TestTokensTrustOnlyWhatEtcdAcceptedRecently(t *testing.T) {
 	ts := newTokens()
-	if _, ok := ts.trusted("t1", 5); ok {
+	if _, ok := ts.trusted("t1", 5, defaultAuthTokenCheckInterval); ok {
 		t.Fatal("a token never issued through the proxy is trusted")
 	}
 	ts.issued("t1", "alice", 5)
-	if user, ok := ts.trusted("t1", 5); !ok || user != "alice" {
+	if user, ok := ts.trusted("t1", 5, defaultAuthTokenCheckInterval); !ok || user != "alice" {
 		t.Fatalf("a token just issued: %q, %v", user, ok)
 	}
-	if _, ok := ts.trusted("t1", 6); ok {
+	if _, ok := ts.trusted("t1", 6, defaultAuthTokenCheckInterval); ok {
 		t.Fatal("a token is trusted after the auth revision moved")
 	}
 	ts.answered("t1", 6, rpctypes.ErrGRPCPermissionDenied)
-	if _, ok := ts.trusted("t1", 6); !ok {
+	if _, ok := ts.trusted("t1", 6, defaultAuthTokenCheckInterval); !ok {
 		t.Fatal("etcd's permission refusal did not prove the token valid at the new revision")
 	}
 	ts.mu.Lock()
-	ts.byToken["t1"].verifiedAt = time.Now().Add(-2 * tokenVerifyInterval)
+	ts.byToken["t1"].verifiedAt = time.Now().Add(-2 * defaultAuthTokenCheckInterval)
 	ts.mu.Unlock()
-	if _, ok := ts.trusted("t1", 6); ok {
+	if _, ok := ts.trusted("t1", 6, defaultAuthTokenCheckInterval); ok {
 		t.Fatal("a token etcd last accepted long ago is trusted")
 	}
 	ts.answered("t1", 6, nil)
-	if _, ok := ts.trusted("t1", 6); !ok {
+	if _, ok := ts.trusted("t1", 6, defaultAuthTokenCheckInterval); !ok {
 		t.Fatal("a forwarded read etcd answered did not renew the token")
 	}
 	ts.answered("t1", 6, rpctypes.ErrGRPCInvalidAuthToken)
-	if _, ok := ts.trusted("t1", 6); ok {
+	if _, ok := ts.trusted("t1", 6, defaultAuthTokenCheckInterval); ok {
 		t.Fatal("a token etcd called invalid is still trusted")
 	}
 	ts.issued("t2", "bob", 6)
 	ts.answered("t2", 6, errors.New("unavailable"))
-	if _, ok := ts.trusted("t2", 6); !ok {
+	if _, ok := ts.trusted("t2", 6, defaultAuthTokenCheckInterval); !ok {
 		t.Fatal("an unrelated error ended a token")
 	}
 }

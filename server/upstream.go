@@ -50,8 +50,13 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, passw
 	// retries would hold an invalid token's or an empty user's refusal for
 	// seconds (it retries those up to 100 times) where etcd answers at once.
 	maxRetries := uint(0) // clientv3's default
+	var unaryFirst []grpc.UnaryClientInterceptor
+	var streamFirst []grpc.StreamClientInterceptor
 	if user == "" {
 		maxRetries = 1
+		// A request checked here for a certificate caller goes as the
+		// proxy's own identity.
+		unaryFirst, streamFirst = []grpc.UnaryClientInterceptor{s.lendUnary}, []grpc.StreamClientInterceptor{s.lendStream}
 	}
 	client, err := clientv3.New(clientv3.Config{
 		MaxUnaryRetries:      maxRetries,
@@ -82,8 +87,8 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, passw
 				Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second},
 				MinConnectTimeout: defaultDialTimeout,
 			}),
-			grpc.WithChainUnaryInterceptor(append([]grpc.UnaryClientInterceptor{forwardUnaryMetadata, clientMetrics.UnaryClientInterceptor()}, unary...)...),
-			grpc.WithChainStreamInterceptor(forwardStreamMetadata, clientMetrics.StreamClientInterceptor()),
+			grpc.WithChainUnaryInterceptor(append(unaryFirst, append([]grpc.UnaryClientInterceptor{forwardUnaryMetadata, clientMetrics.UnaryClientInterceptor()}, unary...)...)...),
+			grpc.WithChainStreamInterceptor(append(streamFirst, forwardStreamMetadata, clientMetrics.StreamClientInterceptor())...),
 		},
 	})
 	if err != nil {

@@ -79,8 +79,12 @@ type Config struct {
 	// [key, rangeEnd) by the stream's caller: a non-nil error refuses the
 	// create, as etcd refuses it.
 	Authorize func(ctx context.Context, key, rangeEnd []byte) error
-	Logger    *zap.Logger
-	Metrics   *Metrics
+	// Relay, if set, reports whether a stream must be relayed to etcd
+	// whole, because only etcd can check its caller (a token the proxy
+	// cannot attribute). If nil, every stream with a token is.
+	Relay   func(ctx context.Context) bool
+	Logger  *zap.Logger
+	Metrics *Metrics
 }
 
 // Server implements etcdserverpb.WatchServer.
@@ -92,6 +96,7 @@ type Server struct {
 	upstream     pb.WatchClient
 	inconsistent func() bool
 	authorize    func(ctx context.Context, key, rangeEnd []byte) error
+	relay        func(ctx context.Context) bool
 	interval     time.Duration
 	followEtcd   bool // periodic progress ticks with etcd's (interval is then the fallback)
 	maxBytes     int
@@ -124,12 +129,16 @@ func New(cfg Config) *Server {
 	if cfg.Authorize == nil {
 		cfg.Authorize = func(context.Context, []byte, []byte) error { return nil }
 	}
+	if cfg.Relay == nil {
+		cfg.Relay = hasToken
+	}
 	return &Server{
 		store:        cfg.Store,
 		follower:     cfg.Follower,
 		upstream:     cfg.Upstream,
 		inconsistent: cfg.Inconsistent,
 		authorize:    cfg.Authorize,
+		relay:        cfg.Relay,
 		interval:     cfg.ProgressNotifyInterval,
 		followEtcd:   followEtcd,
 		maxBytes:     cfg.FragmentBytes,
@@ -138,6 +147,12 @@ func New(cfg Config) *Server {
 		catchups:     make(chan struct{}, maxCatchups),
 		closing:      make(chan struct{}),
 	}
+}
+
+// hasToken reports whether the caller sent an auth token.
+func hasToken(ctx context.Context) bool {
+	md, _ := metadata.FromIncomingContext(ctx)
+	return len(md.Get(rpctypes.TokenFieldNameGRPC)) > 0 || len(md.Get(rpctypes.TokenFieldNameSwagger)) > 0
 }
 
 // Close ends every stream with etcd's "server stopped", which clients
@@ -151,9 +166,9 @@ func (s *Server) Close() {
 func (s *Server) Watch(gs pb.Watch_WatchServer) error {
 	ctx := gs.Context()
 	md, _ := metadata.FromIncomingContext(ctx)
-	if len(md.Get(rpctypes.TokenFieldNameGRPC)) > 0 || s.inconsistent() {
-		// Only etcd can check the caller's permissions; and while the
-		// store is found inconsistent, etcd answers.
+	if s.inconsistent() || s.relay(ctx) {
+		// While the store is found inconsistent, etcd answers; and only
+		// etcd can check some callers' permissions.
 		s.m.relayed()
 		return relay(s.upstream, gs)
 	}

@@ -1,0 +1,73 @@
+package server
+
+import (
+	"context"
+
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
+)
+
+// callerKind is how etcd identifies a request's caller.
+type callerKind int
+
+const (
+	anonymous   callerKind = iota
+	tokenCaller            // a token in the request metadata: etcd checks it
+	certCaller             // no token, and the verified certificate's common name
+)
+
+// caller is who sends a request, as etcd's AuthInfoFromCtx decides it: a
+// token first; else, with --client-cert-auth, the common name of the
+// verified client certificate; else nobody.
+type caller struct {
+	kind  callerKind
+	token string // tokenCaller
+	cn    string // certCaller; may be empty, as a certificate may say
+}
+
+func (s *Server) callerOf(ctx context.Context) caller {
+	if token := tokenOf(ctx); token != "" {
+		return caller{kind: tokenCaller, token: token}
+	}
+	if s.cfg.ClientCertAuth {
+		if cn, ok := certCommonNameOf(ctx); ok {
+			return caller{kind: certCaller, cn: cn}
+		}
+	}
+	return caller{kind: anonymous}
+}
+
+// certCommonNameOf is etcd's AuthInfoFromTLS: the common name of the first
+// verified chain's leaf, unless the request comes through etcd's gRPC
+// gateway (the Grpcgateway-Accept header), which presents a server
+// certificate whose name must never be taken for a user.
+func certCommonNameOf(ctx context.Context) (string, bool) {
+	p, ok := peer.FromContext(ctx)
+	if !ok || p == nil || p.AuthInfo == nil {
+		return "", false
+	}
+	tlsInfo, ok := p.AuthInfo.(credentials.TLSInfo)
+	if !ok {
+		return "", false
+	}
+	for _, chain := range tlsInfo.State.VerifiedChains {
+		if len(chain) < 1 {
+			continue
+		}
+		md, ok := metadata.FromIncomingContext(ctx)
+		if !ok || len(md["grpcgateway-accept"]) > 0 {
+			return "", false
+		}
+		return chain[0].Subject.CommonName, true
+	}
+	return "", false
+}
+
+// asProxyKey marks a request context whose upstream calls go as the
+// proxy's own identity: a certificate caller's request, once checked here.
+type asProxyKey struct{}
+
+func asProxy(ctx context.Context) context.Context { return context.WithValue(ctx, asProxyKey{}, true) }
+
+func isAsProxy(ctx context.Context) bool { v, _ := ctx.Value(asProxyKey{}).(bool); return v }
