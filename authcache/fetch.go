@@ -2,10 +2,14 @@ package authcache
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"go.etcd.io/etcd/api/v3/authpb"
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/etcderr"
 )
 
 // fetchAttempts bounds the reads of a snapshot while auth keeps changing.
@@ -23,7 +27,10 @@ func Fetch(ctx context.Context, ac pb.AuthClient) (Snapshot, error) {
 			return Snapshot{}, fmt.Errorf("reading etcd's auth status: %w", err)
 		}
 		s, err := fetchState(ctx, ac)
-		if err != nil {
+		switch e := etcderr.Of(err); {
+		case errors.Is(e, rpctypes.ErrUserNotFound), errors.Is(e, rpctypes.ErrRoleNotFound):
+			continue // deleted while listed: the state changed, read it again
+		case err != nil:
 			return Snapshot{}, err
 		}
 		after, err := ac.AuthStatus(ctx, &pb.AuthStatusRequest{})

@@ -2,6 +2,7 @@ package authcache
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -11,9 +12,11 @@ import (
 	"google.golang.org/grpc/status"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"go.etcd.io/etcd/server/v3/auth"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/coalesce"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/etcderr"
 )
 
 // DefaultPollInterval is how often the mirror asks etcd for its auth
@@ -129,8 +132,12 @@ func (m *Mirror) poll(ctx context.Context) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if err != nil {
-		if m.readErr == nil && ctx.Err() == nil {
-			m.cfg.Logger.Warn("cannot mirror etcd's users and roles (the proxy's identity needs the root role); token requests go to etcd, certificate identities are refused", zap.Error(err))
+		switch {
+		case ctx.Err() != nil:
+		case isRefusal(err) && !isRefusal(m.readErr):
+			m.cfg.Logger.Error("cannot mirror etcd's users and roles: the proxy's own identity needs the root role; until it has it, token callers' reads go to etcd and certificate callers are refused", zap.Error(err))
+		case !isRefusal(err):
+			m.cfg.Logger.Warn("reading etcd's users and roles failed; retrying", zap.Error(err))
 		}
 		m.readErr = err
 		return
@@ -212,7 +219,7 @@ func (m *Mirror) CheckerAt(ctx context.Context, rev uint64) (*Checker, error) {
 		if c != nil && c.Revision() >= rev {
 			return c, nil
 		}
-		if readErr != nil && c == nil {
+		if c == nil && isRefusal(readErr) {
 			return nil, fmt.Errorf("%w: %w", ErrNoMirror, readErr)
 		}
 		m.poke()
@@ -222,6 +229,19 @@ func (m *Mirror) CheckerAt(ctx context.Context, rev uint64) (*Checker, error) {
 			return nil, ctx.Err()
 		}
 	}
+}
+
+// isRefusal reports whether etcd refused the proxy's identity the users
+// and roles: that lasts until an operator acts, unlike a failed read.
+func isRefusal(err error) bool {
+	switch e := etcderr.Of(err); {
+	case err == nil:
+		return false
+	case errors.Is(e, rpctypes.ErrPermissionDenied), errors.Is(e, rpctypes.ErrUserEmpty),
+		errors.Is(e, rpctypes.ErrUserNotFound), errors.Is(e, rpctypes.ErrAuthFailed), errors.Is(e, rpctypes.ErrInvalidAuthToken):
+		return true
+	}
+	return false
 }
 
 func (m *Mirror) poke() {

@@ -16,6 +16,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/etcderr"
 )
 
 // Bounds of the pause between attempts to load or resume against a failing
@@ -40,6 +41,20 @@ type reloadError struct {
 func (e *reloadError) Error() string { return fmt.Sprintf("reload (%s): %v", e.reason, e.err) }
 func (e *reloadError) Unwrap() error { return e.err }
 
+// loadFailed records and logs why a load failed. A refusal by etcd's auth
+// is the operator's to fix: the proxy's identity must read every key.
+func (f *Follower) loadFailed(err error) {
+	switch e := etcderr.Of(err); {
+	case errors.Is(e, rpctypes.ErrPermissionDenied), errors.Is(e, rpctypes.ErrUserEmpty),
+		errors.Is(e, rpctypes.ErrAuthFailed), errors.Is(e, rpctypes.ErrInvalidAuthToken):
+		err = fmt.Errorf("etcd has auth enabled and the proxy's own identity cannot read the whole keyspace; give it a user with the root role (--user name:password) or a client certificate naming one: %w", err)
+		f.lg.Error("cannot load the keyspace; not ready", zap.Error(err))
+	default:
+		f.lg.Warn("loading the keyspace from etcd failed; retrying", zap.Error(err))
+	}
+	f.loadErr.Store(&err)
+}
+
 // feed is the upstream feed: it loads the keyspace, follows it with one
 // watch, resumes the watch when it breaks and reloads when it cannot
 // resume, until ctx is done.
@@ -52,11 +67,12 @@ func (f *Follower) feed(ctx context.Context) {
 			target, err := f.load(ctx, firstLoad && f.cfg.LoadRetainedHistory)
 			if err != nil {
 				if ctx.Err() == nil {
-					f.lg.Warn("loading the keyspace from etcd failed; retrying", zap.Error(err))
+					f.loadFailed(err)
 				}
 				bo.Wait(ctx)
 				continue
 			}
+			f.loadErr.Store(nil)
 			firstLoad = false
 			needLoad = false
 			f.loading.Store(false)

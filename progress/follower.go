@@ -78,6 +78,8 @@ type Follower struct {
 	following atomic.Bool  // the upstream watch is established
 	loading   atomic.Bool  // a load or reload is under way
 	loads     atomic.Int64 // loads completed
+	// loadErr is why the last load attempt failed; nil once one succeeds.
+	loadErr atomic.Pointer[error]
 
 	mu sync.Mutex
 	// Guarded by mu.
@@ -164,6 +166,15 @@ func (f *Follower) Loading() bool { return f.loading.Load() }
 // Serving reports whether the store answers for etcd: the first load has
 // caught up and no reload is under way.
 func (f *Follower) Serving() bool { return f.IsReady() && !f.Loading() }
+
+// LoadError is why the last attempt to load the keyspace failed, nil if
+// it did not.
+func (f *Follower) LoadError() error {
+	if p := f.loadErr.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
 
 // Following reports whether the upstream watch is currently established.
 func (f *Follower) Following() bool { return f.following.Load() }

@@ -22,7 +22,9 @@ type EmbeddedConfig struct {
 	AutoCompactionMode, AutoCompactionRetention string
 	// MaxRequestBytes is etcd's --max-request-bytes (etcd's default if 0).
 	MaxRequestBytes uint
-	Logger          *zap.Logger
+	// AuthToken is etcd's --auth-token (simple if empty).
+	AuthToken string
+	Logger    *zap.Logger
 }
 
 // StartEmbedded starts a single-member etcd in this process and waits until
@@ -56,6 +58,9 @@ func StartEmbedded(cfg EmbeddedConfig) (*embed.Etcd, error) {
 	}
 	if cfg.MaxRequestBytes > 0 {
 		ec.MaxRequestBytes = cfg.MaxRequestBytes
+	}
+	if cfg.AuthToken != "" {
+		ec.AuthToken = cfg.AuthToken
 	}
 	ec.LogLevel = "error"
 	// Without a logger of the caller's (tests), etcd stays quiet: it logs

@@ -41,12 +41,20 @@ func StartEtcd(tb testing.TB, cfg server.EmbeddedConfig) *embed.Etcd {
 // it is ready (WaitReady).
 func StartProxy(tb testing.TB, cfg server.Config) *server.Server {
 	tb.Helper()
+	p := StartProxyUnready(tb, cfg)
+	WaitReady(tb, p)
+	return p
+}
+
+// StartProxyUnready starts the proxy, stopped when the test ends, without
+// waiting for it to be ready.
+func StartProxyUnready(tb testing.TB, cfg server.Config) *server.Server {
+	tb.Helper()
 	p, err := server.Start(cfg)
 	if err != nil {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(p.Stop)
-	WaitReady(tb, p)
 	return p
 }
 
