@@ -29,6 +29,8 @@ type Rules struct {
 	// LeaseReadsChecked: LeaseKeepAlive, LeaseLeases and Alarm GET are
 	// checked (3.7); before, they are answered for anyone.
 	LeaseReadsChecked bool
+	// AuthStatusAdminOnly: AuthStatus needs the root role (3.6).
+	AuthStatusAdminOnly bool
 }
 
 // RulesFor returns the rules of the etcd release version (as Status or
@@ -211,10 +213,17 @@ func (c *Checker) CheckRequest(id Identity, method string, req any, rules Rules,
 		return c.CheckAdmin(id)
 	case *pb.DefragmentRequest, *pb.SnapshotRequest, *pb.HashRequest, *pb.HashKVRequest, *pb.MoveLeaderRequest, *pb.DowngradeRequest:
 		return c.CheckAdmin(id)
-	case *pb.AuthenticateRequest, *pb.AuthStatusRequest:
+	case *pb.AuthenticateRequest:
+		return nil
+	case *pb.AuthStatusRequest:
+		if rules.AuthStatusAdminOnly {
+			return c.CheckAdmin(id)
+		}
 		return nil
 	case *pb.AuthUserGetRequest:
-		if err := c.CheckAdmin(id); err != nil && (!id.Authenticated || q.Name != id.User) {
+		// An anonymous caller's name is "": it may "read" user "", which
+		// etcd then does not find.
+		if err := c.CheckAdmin(id); err != nil && q.Name != id.User {
 			return err
 		}
 		return nil
@@ -228,28 +237,43 @@ func (c *Checker) CheckRequest(id Identity, method string, req any, rules Rules,
 		*pb.AuthRoleAddRequest, *pb.AuthRoleGrantPermissionRequest, *pb.AuthRoleRevokePermissionRequest,
 		*pb.AuthRoleDeleteRequest, *pb.AuthUserListRequest, *pb.AuthRoleListRequest:
 		return c.CheckAdmin(id)
-	case *v3lockpb.LockRequest:
-		// etcd runs the lock on an in-process client as the caller: it
-		// reads and writes the keys under name/.
-		return c.checkPrefix(id, string(q.Name)+"/", true)
-	case *v3lockpb.UnlockRequest:
-		return c.CheckDeleteRange(id, q.Key, nil)
-	case *v3electionpb.CampaignRequest:
-		return c.checkPrefix(id, string(q.Name)+"/", true)
-	case *v3electionpb.ProclaimRequest:
-		if q.Leader == nil {
-			return nil
-		}
-		return c.checkPrefix(id, string(q.Leader.Name)+"/", true)
-	case *v3electionpb.ResignRequest:
-		if q.Leader == nil {
-			return nil
-		}
-		return c.checkPrefix(id, string(q.Leader.Name)+"/", true)
-	case *v3electionpb.LeaderRequest:
-		return c.checkPrefix(id, string(q.Name)+"/", false)
+	case *v3lockpb.LockRequest, *v3lockpb.UnlockRequest, *v3electionpb.CampaignRequest, *v3electionpb.ProclaimRequest,
+		*v3electionpb.ResignRequest, *v3electionpb.LeaderRequest:
+		return c.checkConcurrency(id, req)
 	}
 	return errNotChecked(method)
+}
+
+// checkConcurrency checks a lock or election request. etcd runs them on an
+// in-process client with the caller's identity, which reads and writes the
+// keys under name/, and answers a refusal of those inner calls with code
+// Unknown and etcd's message. The check asks for READ, and WRITE where the
+// call writes, on the whole prefix: a user allowed only some keys under it
+// may be refused here where etcd, writing only its own key, would not.
+func (c *Checker) checkConcurrency(id Identity, req any) error {
+	var err error
+	switch q := req.(type) {
+	case *v3lockpb.LockRequest:
+		err = c.checkPrefix(id, string(q.Name)+"/", true)
+	case *v3lockpb.UnlockRequest:
+		err = c.CheckDeleteRange(id, q.Key, nil)
+	case *v3electionpb.CampaignRequest:
+		err = c.checkPrefix(id, string(q.Name)+"/", true)
+	case *v3electionpb.ProclaimRequest:
+		if q.Leader != nil {
+			err = c.checkPrefix(id, string(q.Leader.Name)+"/", true)
+		}
+	case *v3electionpb.ResignRequest:
+		if q.Leader != nil {
+			err = c.checkPrefix(id, string(q.Leader.Name)+"/", true)
+		}
+	case *v3electionpb.LeaderRequest:
+		err = c.checkPrefix(id, string(q.Name)+"/", false)
+	}
+	if err != nil {
+		return status.Error(codes.Unknown, status.Convert(err).Message())
+	}
+	return nil
 }
 
 // checkPrefix checks READ, and with write WRITE, on every key under

@@ -236,14 +236,13 @@ func (s *Server) relayWatch(ctx context.Context) bool {
 	return errors.Is(err, kvproxy.ErrAskEtcd)
 }
 
-// Methods the read and watch servers check themselves, and those etcd
-// answers without an identity.
+// Methods the read and watch servers check themselves, and the one etcd
+// answers without any identity.
 const (
 	methodRange        = "/etcdserverpb.KV/Range"
 	methodRangeStream  = "/etcdserverpb.KV/RangeStream"
 	methodWatch        = "/etcdserverpb.Watch/Watch"
 	methodAuthenticate = "/etcdserverpb.Auth/Authenticate"
-	methodAuthStatus   = "/etcdserverpb.Auth/AuthStatus"
 )
 
 // admit decides how a request reaches its handler: the context it runs
@@ -258,7 +257,7 @@ func (s *Server) admit(ctx context.Context, method string) (_ context.Context, c
 			return asProxy(ctx), nil
 		}
 		return ctx, nil
-	case method == methodAuthenticate || method == methodAuthStatus || strings.HasPrefix(method, "/grpc.health.v1."):
+	case method == methodAuthenticate || strings.HasPrefix(method, "/grpc.health.v1."):
 		return ctx, nil
 	}
 	c := s.callerOf(ctx)
@@ -278,6 +277,9 @@ func (s *Server) admit(ctx context.Context, method string) (_ context.Context, c
 // checkForwarded is etcd's check of a request the proxy sends to etcd as
 // itself, with the upstream release's rules, at a fresh auth revision.
 func (s *Server) checkForwarded(ctx context.Context, c caller, method string, req any) error {
+	if err := kvproxy.ValidateWrite(req); err != nil {
+		return err
+	}
 	chk, id, err := s.authFor(ctx, c, true)
 	if err != nil || chk == nil {
 		return err

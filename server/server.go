@@ -465,6 +465,9 @@ func (s *Server) newHTTPEndpoints() (httpEndpoints, error) {
 			livez: []probeCheck{{"ping", func() error { return nil }}},
 			readyz: []probeCheck{{"cache", func() error {
 				if !s.follower.Serving() {
+					if err := s.follower.LoadError(); err != nil {
+						return fmt.Errorf("the cache is loading: %w", err)
+					}
 					return errors.New("the cache is loading")
 				}
 				return nil
