@@ -77,9 +77,10 @@ func NewMirror(cfg MirrorConfig) *Mirror {
 	return m
 }
 
-// statusTimeout bounds one shared AuthStatus; callers give up earlier with
-// their own contexts.
-const statusTimeout = 10 * time.Second
+// statusTimeout bounds one shared AuthStatus: while etcd is unreachable a
+// call waits for the connection, and the readers queued behind it would
+// wait too; they give up earlier with their own contexts.
+const statusTimeout = 3 * time.Second
 
 // Run polls etcd's auth status until ctx is done, and reads the users and
 // roles again whenever the auth revision moves. It owns the shared
