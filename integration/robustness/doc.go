@@ -3,6 +3,13 @@
 // it: linearizability of the KV history, the watch guarantees, and
 // historical reads replayed against etcd's WAL.
 //
+// TestRobustnessAuth runs the same scenarios against an etcd with auth
+// enabled, the proxy running as root and the traffic as users with their
+// own permissions. The framework's clients cannot carry credentials (its
+// RecordingClient builds its clientv3.Config from endpoints alone), so each
+// user's clients reach the proxy through a token front that adds the
+// user's token to every call (auth_test.go).
+//
 // It is a separate module because the framework pulls heavy dependencies
 // that the proxy itself does not need. Run it with
 //

@@ -114,12 +114,7 @@ func (f fault) String() string {
 // (serializable) reads replayed against the requests persisted in etcd's
 // WAL.
 func TestRobustness(t *testing.T) {
-	// The framework's 200ms per-request timeout is sized for etcd without
-	// the race detector; here a request that times out is a write of
-	// unknown outcome for the linearization check, not a finding.
-	requestTimeout := traffic.RequestTimeout
-	traffic.RequestTimeout = time.Second
-	t.Cleanup(func() { traffic.RequestTimeout = requestTimeout })
+	withRequestTimeout(t)
 	for _, sc := range []struct {
 		name    string
 		traffic traffic.Traffic
@@ -130,11 +125,21 @@ func TestRobustness(t *testing.T) {
 		t.Run(sc.name, func(t *testing.T) {
 			for _, f := range []fault{cutUpstream, restartEtcd} {
 				t.Run(f.String(), func(t *testing.T) {
-					testRobustness(t, sc.traffic, f)
+					testRobustness(t, sc.traffic, f, false)
 				})
 			}
 		})
 	}
+}
+
+// withRequestTimeout raises the framework's per-request timeout for the
+// test. Its 200ms is sized for etcd without the race detector; here a
+// request that times out is a write of unknown outcome for the
+// linearization check, not a finding.
+func withRequestTimeout(t *testing.T) {
+	requestTimeout := traffic.RequestTimeout
+	traffic.RequestTimeout = time.Second
+	t.Cleanup(func() { traffic.RequestTimeout = requestTimeout })
 }
 
 // env is an embedded etcd with the proxy in front of it, through a relay.
@@ -145,6 +150,11 @@ type env struct {
 	etcdConfig server.EmbeddedConfig
 	relay      *testsupport.Relay
 	proxy      *server.Server
+	// With auth (setUpAuth), the traffic, the event collector and the
+	// compaction traffic reach the proxy through their users' token
+	// fronts; without, the endpoints are the proxy's.
+	trafficFront, watchFront, compactFront             *tokenFront
+	trafficEndpoints, watchEndpoints, compactEndpoints []string
 
 	mu sync.Mutex
 	// etcd is the running etcd; nil once closed and not (yet) started
@@ -154,7 +164,7 @@ type env struct {
 	stopped bool
 }
 
-func newEnv(t *testing.T, lg *zap.Logger) *env {
+func newEnv(t *testing.T, lg *zap.Logger, auth bool) *env {
 	t.Helper()
 	en := &env{dataDir: t.TempDir()}
 	// Fixed ports rather than 0, so that a restarted etcd has the same
@@ -171,9 +181,12 @@ func newEnv(t *testing.T, lg *zap.Logger) *env {
 	}
 	en.etcd = e
 	t.Cleanup(en.stop)
+	if auth {
+		setUpAuth(t, e)
+	}
 	// The relay holds the connections made during a cut (see faultFor).
 	en.relay = testsupport.NewRelay(t, e.Clients[0].Addr().String(), testsupport.HoldWhileCut())
-	en.proxy = proxytest.StartProxy(t, server.Config{
+	cfg := server.Config{
 		Endpoints:               []string{"http://" + en.relay.Addr()},
 		ListenAddr:              "127.0.0.1:0",
 		CompactionProbeInterval: 20 * time.Millisecond,
@@ -182,7 +195,22 @@ func newEnv(t *testing.T, lg *zap.Logger) *env {
 		// the watches, so the interval is the proxy's.
 		WatchProgressNotifyInterval: 100 * time.Millisecond,
 		Logger:                      lg.Named("proxy"),
-	})
+	}
+	if auth {
+		cfg.User, cfg.Password = rootUser, rootPassword
+	}
+	en.proxy = proxytest.StartProxy(t, cfg)
+	en.trafficEndpoints = []string{en.proxy.Addr()}
+	en.watchEndpoints = en.trafficEndpoints
+	en.compactEndpoints = en.trafficEndpoints
+	if auth {
+		en.trafficFront = newTokenFront(t, en.proxy.Addr(), trafficUser, trafficPassword)
+		en.watchFront = newTokenFront(t, en.proxy.Addr(), watchUser, watchPassword)
+		en.compactFront = newTokenFront(t, en.proxy.Addr(), rootUser, rootPassword)
+		en.trafficEndpoints = []string{en.trafficFront.Addr()}
+		en.watchEndpoints = []string{en.watchFront.Addr()}
+		en.compactEndpoints = []string{en.compactFront.Addr()}
+	}
 	return en
 }
 
@@ -195,6 +223,11 @@ func (en *env) stop() {
 		return
 	}
 	en.stopped = true
+	for _, f := range []*tokenFront{en.trafficFront, en.watchFront, en.compactFront} {
+		if f != nil {
+			f.Close()
+		}
+	}
 	if en.proxy != nil {
 		en.proxy.Stop()
 	}
@@ -225,7 +258,7 @@ func (en *env) restartEtcd() (closing time.Duration, err error) {
 	return closing, nil
 }
 
-func testRobustness(t *testing.T, tf traffic.Traffic, f fault) {
+func testRobustness(t *testing.T, tf traffic.Traffic, f fault, auth bool) {
 	// The framework's own logs at info; etcd's and the proxy's at warn
 	// (they log every broken connection and retry during the fault).
 	lg := zaptest.NewLogger(t, zaptest.Level(zap.InfoLevel))
@@ -233,8 +266,7 @@ func testRobustness(t *testing.T, tf traffic.Traffic, f fault) {
 		// clientv3 logs every failed attempt of a forwarded call.
 		return dropLogger{Core: c, name: "proxy.upstream"}
 	})))
-	en := newEnv(t, quiet)
-	endpoints := []string{en.proxy.Addr()}
+	en := newEnv(t, quiet, auth)
 
 	r, err := report.NewTestReport(lg, resultsDirectory(t), map[string]string{"etcd": en.dataDir},
 		&report.TrafficDetail{ExpectUniqueRevision: tf.ExpectUniqueRevision()})
@@ -249,15 +281,18 @@ func testRobustness(t *testing.T, tf traffic.Traffic, f fault) {
 		}
 	}()
 
-	rec := record(t, lg, en, endpoints, tf, f)
+	rec := record(t, lg, en, tf, f)
 	r.SetClientReports(rec.reports)
 
 	// The proxy's metrics show that the proxy, not etcd, answered reads,
 	// and that the fault and the compactions reached it.
 	m := gatherCounters(t, en)
 	en.stop()
+	if auth {
+		t.Logf("token fronts: %v; %v; %v", en.trafficFront, en.watchFront, en.compactFront)
+	}
 
-	persisted, err := report.PersistedRequests(lg, []string{en.dataDir})
+	persisted, err := persistedRequests(t, lg, en.dataDir, auth)
 	if err != nil {
 		t.Fatalf("reading etcd's WAL: %v", err)
 	}
@@ -401,7 +436,8 @@ type recording struct {
 // runScenario and traffic.SimulateTraffic do (they take an
 // e2e.EtcdProcessCluster; the functions they call take endpoints), and
 // collects every event with whole-keyspace watches through the proxy.
-func record(t *testing.T, lg *zap.Logger, en *env, endpoints []string, tf traffic.Traffic, f fault) *recording {
+func record(t *testing.T, lg *zap.Logger, en *env, tf traffic.Traffic, f fault) *recording {
+	endpoints := en.trafficEndpoints
 	ctx, cancel := context.WithTimeout(t.Context(), runTimeout)
 	defer cancel()
 
@@ -434,7 +470,7 @@ func record(t *testing.T, lg *zap.Logger, en *env, endpoints []string, tf traffi
 	g.Go(func() error {
 		return client.CollectClusterWatchEvents(ctx, client.CollectClusterWatchEventsParam{
 			Lg:              lg,
-			Endpoints:       endpoints,
+			Endpoints:       en.watchEndpoints,
 			MaxRevisionChan: maxRevisionChan,
 			ClientSet:       watchSet,
 		})
@@ -516,7 +552,7 @@ func simulateTraffic(ctx context.Context, lg *zap.Logger, en *env, endpoints []s
 		stop()
 		return err
 	}
-	err = traffic.SimulateCompactionTraffic(ctx, &wg, profile.Compaction, endpoints, clientSet, tf, traffic.RunCompactLoopParam{
+	err = traffic.SimulateCompactionTraffic(ctx, &wg, profile.Compaction, en.compactEndpoints, clientSet, tf, traffic.RunCompactLoopParam{
 		Period: profile.Compaction.Period,
 		Finish: finish,
 	})
@@ -648,7 +684,9 @@ func checkEmptyDatabaseAtStart(ctx context.Context, endpoints []string, cs *clie
 }
 
 // waitUpstream returns once a linearizable read through the proxy (which
-// the proxy forwards to etcd) succeeds.
+// the proxy forwards to etcd) succeeds. With auth, endpoints are the
+// traffic's token front, which renews the token a restart of etcd
+// invalidated.
 func waitUpstream(ctx context.Context, endpoints []string) error {
 	c, err := clientv3.New(clientv3.Config{Endpoints: endpoints, Logger: zap.NewNop()})
 	if err != nil {
@@ -696,7 +734,9 @@ func gatherCounters(t *testing.T, en *env) counters {
 // checkCoverage fails a run that would pass validation vacuously: the
 // proxy must have answered reads from memory, mirrored compactions, and
 // felt the fault; the history must hold historical reads, watch events and
-// persisted compactions.
+// persisted compactions. The proxy may relay the watch streams of token
+// callers to etcd whole (README, Auth): relayed streams then stand for the
+// watch events the proxy sends.
 func checkCoverage(t *testing.T, rec *recording, m counters, persisted []model.EtcdRequest) {
 	t.Helper()
 	var historical, watchEvents int
@@ -722,11 +762,12 @@ func checkCoverage(t *testing.T, rec *recording, m counters, persisted []model.E
 		reloads     = "etcd_snapcache_reloads_total"
 		mirrored    = "etcd_snapcache_compactions_observed_total"
 		sent        = "etcd_snapcache_watch_events_sent_total"
+		relayed     = "etcd_snapcache_watch_relayed_streams_total"
 	)
 	t.Logf("history: %d successful historical reads, %d watch events; WAL: %d requests, %d compactions",
 		historical, watchEvents, len(persisted), compactions)
-	t.Logf("proxy: %v ranges from the cache, %v forwarded, %v compactions mirrored, %v watch events sent, %v upstream watch restarts, %v reloads",
-		m[cacheRanges], m["etcd_snapcache_range_requests_total{source=forwarded}"], m[mirrored], m[sent], m[restarts], m[reloads])
+	t.Logf("proxy: %v ranges from the cache, %v forwarded, %v compactions mirrored, %v watch events sent, %v watch streams relayed, %v upstream watch restarts, %v reloads",
+		m[cacheRanges], m["etcd_snapcache_range_requests_total{source=forwarded}"], m[mirrored], m[sent], m[relayed], m[restarts], m[reloads])
 	var keys []string
 	for k := range m {
 		if strings.HasPrefix(k, "etcd_snapcache_") && strings.Contains(k, "{") {
@@ -739,8 +780,8 @@ func checkCoverage(t *testing.T, rec *recording, m counters, persisted []model.E
 	if historical == 0 || watchEvents == 0 || compactions == 0 {
 		t.Errorf("the history does not exercise the proxy: %d historical reads, %d watch events, %d compactions", historical, watchEvents, compactions)
 	}
-	if m[cacheRanges] == 0 || m[mirrored] == 0 || m[sent] == 0 {
-		t.Errorf("the proxy served nothing itself: %v cache ranges, %v compactions mirrored, %v watch events sent", m[cacheRanges], m[mirrored], m[sent])
+	if m[cacheRanges] == 0 || m[mirrored] == 0 || m[sent]+m[relayed] == 0 {
+		t.Errorf("the proxy served nothing itself: %v cache ranges, %v compactions mirrored, %v watch events sent, %v watch streams relayed", m[cacheRanges], m[mirrored], m[sent], m[relayed])
 	}
 	if rec.connsCut == 0 || m[restarts]+m[reloads] == 0 {
 		t.Errorf("the fault (%v) did not reach the proxy: %d connections cut, %v upstream watch restarts, %v reloads", rec.fault, rec.connsCut, m[restarts], m[reloads])
