@@ -167,7 +167,8 @@ func (m *Mirror) observe(enabled bool, rev uint64) (stale bool) {
 	if !enabled && rev == 0 {
 		return false
 	}
-	stale = m.checker == nil || rev != m.revision
+	// Enabling or disabling auth need not move the auth revision.
+	stale = m.checker == nil || rev != m.revision || m.checker.Enabled() != enabled
 	m.revision = rev
 	if stale {
 		m.checker = nil

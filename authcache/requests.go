@@ -2,8 +2,6 @@ package authcache
 
 import (
 	"fmt"
-	"strconv"
-	"strings"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -19,38 +17,58 @@ import (
 
 // Rules are the permission rules of one etcd release, where releases
 // differ. Read from etcd's sources (etcdserver/v3_server.go,
-// etcdserver/apply/auth.go, etcdserver/api/v3rpc/maintenance.go).
+// etcdserver/apply/auth.go, etcdserver/api/v3rpc/*.go) of every 3.6 patch
+// release, 3.5.35 and 3.7.3: the base rules are 3.7.3's, which 3.6.12 and
+// later and 3.5.33 and later follow too, but for AuthStatus.
 type Rules struct {
-	// Release is the upstream's version, major.minor.
+	// Release is the upstream's version, major.minor.patch.
 	Release string
-	// StatusAdminOnly: Maintenance.Status needs the root role (3.6);
-	// otherwise any authenticated user (3.7).
-	StatusAdminOnly bool
-	// LeaseReadsChecked: LeaseKeepAlive, LeaseLeases and Alarm GET are
-	// checked (3.7); before, they are answered for anyone.
-	LeaseReadsChecked bool
-	// AuthStatusAdminOnly: AuthStatus needs the root role (3.6).
+	// AuthStatusAdminOnly: AuthStatus needs the root role (before 3.7).
 	AuthStatusAdminOnly bool
+	// StatusAdminOnly: Maintenance.Status needs the root role (3.6.0 to
+	// 3.6.11); otherwise any authenticated user.
+	StatusAdminOnly bool
+	// MemberListAdminOnly, AlarmGetAdminOnly: MemberList and Alarm GET
+	// need the root role (3.6.9); otherwise any authenticated user.
+	MemberListAdminOnly, AlarmGetAdminOnly bool
+	// BearerStripped: a token in the authorization header loses its
+	// "Bearer " prefix (3.6.13, 3.5.32 and later).
+	BearerStripped bool
+	// Stricter reports that etcd checks less than these rules: releases
+	// with known auth bugs (before 3.6.11, before 3.5.33), for which the
+	// proxy applies the strictest rules it knows and refuses what etcd
+	// might allow, never the reverse.
+	Stricter bool
 }
 
-// RulesFor returns the rules of the etcd release version (as Status or
-// the version endpoint report it, "3.6.8").
+// RulesFor returns the rules of the etcd release version (as Status
+// reports it, "3.6.8").
 func RulesFor(version string) (Rules, error) {
-	parts := strings.SplitN(version, ".", 3)
-	if len(parts) < 2 {
-		return Rules{}, fmt.Errorf("authcache: etcd version %q: want major.minor", version)
+	var major, minor, patch int
+	if _, err := fmt.Sscanf(version, "%d.%d.%d", &major, &minor, &patch); err != nil || major != 3 {
+		return Rules{}, fmt.Errorf("authcache: etcd version %q: want 3.x.y", version)
 	}
-	major, err1 := strconv.Atoi(parts[0])
-	minor, err2 := strconv.Atoi(parts[1])
-	if err1 != nil || err2 != nil || major != 3 {
-		return Rules{}, fmt.Errorf("authcache: etcd version %q: want 3.x", version)
+	r := Rules{Release: fmt.Sprintf("%d.%d.%d", major, minor, patch), BearerStripped: true}
+	at := func(m, p int) bool { return minor > m || minor == m && patch >= p }
+	switch {
+	case minor >= 7:
+		return r, nil
+	case minor == 6:
+		r.BearerStripped = at(6, 13)
+		r.StatusAdminOnly = !at(6, 12)
+		r.MemberListAdminOnly = !at(6, 10)
+		r.AlarmGetAdminOnly = !at(6, 10)
+		r.Stricter = !at(6, 11)
+	case minor == 5:
+		r.BearerStripped = patch >= 32
+		r.StatusAdminOnly = patch < 32
+		r.MemberListAdminOnly, r.AlarmGetAdminOnly = patch < 33, patch < 33
+		r.Stricter = patch < 33
+	default:
+		r.BearerStripped = false
+		r.StatusAdminOnly, r.MemberListAdminOnly, r.AlarmGetAdminOnly, r.Stricter = true, true, true, true
 	}
-	r := Rules{Release: fmt.Sprintf("%d.%d", major, minor)}
-	if minor >= 7 {
-		r.LeaseReadsChecked = true
-	} else {
-		r.StatusAdminOnly = true
-	}
+	r.AuthStatusAdminOnly = true
 	return r, nil
 }
 
@@ -89,15 +107,13 @@ func (r Rules) LeasesNeeded(req any) (ids []int64, all bool) {
 	case *pb.LeaseRevokeRequest:
 		return []int64{q.ID}, false
 	case *pb.LeaseKeepAliveRequest:
-		if r.LeaseReadsChecked {
-			return []int64{q.ID}, false
-		}
+		return []int64{q.ID}, false
 	case *pb.LeaseTimeToLiveRequest:
 		if q.Keys {
 			return []int64{q.ID}, false
 		}
 	case *pb.LeaseLeasesRequest:
-		return nil, r.LeaseReadsChecked
+		return nil, true
 	}
 	return nil, false
 }
@@ -163,9 +179,6 @@ func (c *Checker) CheckRequest(id Identity, method string, req any, rules Rules,
 		}
 		return c.checkLeaseKeys(id, ls, q.ID, c.CheckPut)
 	case *pb.LeaseKeepAliveRequest:
-		if !rules.LeaseReadsChecked {
-			return nil
-		}
 		if err := c.RequireUser(id); err != nil {
 			return err
 		}
@@ -179,9 +192,6 @@ func (c *Checker) CheckRequest(id Identity, method string, req any, rules Rules,
 		}
 		return c.checkLeaseKeys(id, ls, q.ID, func(id Identity, key []byte) error { return c.CheckRange(id, key, nil) })
 	case *pb.LeaseLeasesRequest:
-		if !rules.LeaseReadsChecked {
-			return nil
-		}
 		if err := c.RequireUser(id); err != nil {
 			return err
 		}
@@ -195,6 +205,9 @@ func (c *Checker) CheckRequest(id Identity, method string, req any, rules Rules,
 		}
 		return nil
 	case *pb.MemberListRequest:
+		if rules.MemberListAdminOnly {
+			return c.CheckAdmin(id)
+		}
 		return c.RequireUser(id)
 	case *pb.MemberAddRequest, *pb.MemberRemoveRequest, *pb.MemberUpdateRequest, *pb.MemberPromoteRequest:
 		return c.CheckAdmin(id)
@@ -204,10 +217,7 @@ func (c *Checker) CheckRequest(id Identity, method string, req any, rules Rules,
 		}
 		return c.RequireUser(id)
 	case *pb.AlarmRequest:
-		if q.Action == pb.AlarmRequest_GET {
-			if !rules.LeaseReadsChecked {
-				return nil
-			}
+		if q.Action == pb.AlarmRequest_GET && !rules.AlarmGetAdminOnly {
 			return c.RequireUser(id)
 		}
 		return c.CheckAdmin(id)

@@ -9,6 +9,7 @@ import (
 	"os"
 	"strings"
 
+	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -185,14 +186,23 @@ func (s *Server) freshAuth(ctx context.Context) (bool, uint64, error) {
 }
 
 // authEnabledNow is the disabled proof's call: a linearizable count of one
-// key by an anonymous caller, which etcd refuses with "user name is empty"
-// exactly while auth is enabled.
+// key by an anonymous caller, which etcd refuses exactly while auth is
+// enabled (refusedByAuth).
 func (s *Server) authEnabledNow(ctx context.Context) (bool, error) {
 	_, err := pb.NewKVClient(s.client.ActiveConnection()).Range(ctx, &pb.RangeRequest{Key: authProbeKey, CountOnly: true})
-	switch {
+	return refusedByAuth(err)
+}
+
+// refusedByAuth reads the answer to an anonymous read: allowed while auth
+// is disabled; refused while it is enabled, with "user name is empty", or
+// "permission denied" when the proxy's connection presents a certificate
+// without a common name to an etcd with --client-cert-auth (etcd takes it
+// for the user "").
+func refusedByAuth(err error) (enabled bool, _ error) {
+	switch e := rpctypes.Error(err); {
 	case err == nil:
 		return false, nil
-	case errors.Is(rpctypes.Error(err), rpctypes.ErrUserEmpty):
+	case errors.Is(e, rpctypes.ErrUserEmpty), errors.Is(e, rpctypes.ErrPermissionDenied):
 		return true, nil
 	}
 	return false, err
@@ -284,7 +294,7 @@ func (s *Server) checkForwarded(ctx context.Context, c caller, method string, re
 	if err != nil || chk == nil {
 		return err
 	}
-	rules, err := authcache.RulesFor(s.follower.UpstreamVersion())
+	rules, err := s.rules()
 	if err != nil {
 		return errReleaseUnknown
 	}
@@ -295,6 +305,28 @@ func (s *Server) checkForwarded(ctx context.Context, c caller, method string, re
 		}
 	}
 	return chk.CheckRequest(id, method, req, rules, leases)
+}
+
+// releaseRules are the permission rules of one upstream release.
+type releaseRules struct {
+	version string
+	rules   authcache.Rules
+	err     error
+}
+
+// rules returns the upstream release's permission rules, read once per
+// release.
+func (s *Server) rules() (authcache.Rules, error) {
+	v := s.follower.UpstreamVersion()
+	if c := s.releaseRules.Load(); c != nil && c.version == v {
+		return c.rules, c.err
+	}
+	r, err := authcache.RulesFor(v)
+	s.releaseRules.Store(&releaseRules{version: v, rules: r, err: err})
+	if err == nil && r.Stricter {
+		s.lg.Warn("etcd's release checks less than the proxy's rules for it (known auth fixes came later); certificate callers may be refused requests that this etcd would allow, never the reverse", zap.String("version", v))
+	}
+	return r, err
 }
 
 // leaseKeys reads the keys attached to leases from etcd, as the proxy: the
@@ -393,7 +425,7 @@ func certCommonName(file string) (string, error) {
 
 // authEnabledProbe is a cheap test of whether etcd has auth enabled: a
 // serializable count-only read of one key by an anonymous caller, which
-// etcd refuses with "user name is empty" exactly while auth is enabled. It
+// etcd refuses exactly while auth is enabled (refusedByAuth). It
 // is anonymous only without a certificate identity, so there is none with
 // one.
 func (s *Server) authEnabledProbe() func(ctx context.Context) (bool, error) {
@@ -403,13 +435,7 @@ func (s *Server) authEnabledProbe() func(ctx context.Context) (bool, error) {
 	kv := pb.NewKVClient(s.client.ActiveConnection())
 	return func(ctx context.Context) (bool, error) {
 		_, err := kv.Range(ctx, &pb.RangeRequest{Key: authProbeKey, CountOnly: true, Serializable: true})
-		switch {
-		case err == nil:
-			return false, nil
-		case errors.Is(rpctypes.Error(err), rpctypes.ErrUserEmpty):
-			return true, nil
-		}
-		return false, err
+		return refusedByAuth(err)
 	}
 }
 

@@ -27,7 +27,10 @@ type caller struct {
 }
 
 func (s *Server) callerOf(ctx context.Context) caller {
-	if token := tokenOf(ctx); token != "" {
+	if token, stripped := bearerTokenOf(ctx); token != "" {
+		if r, err := s.rules(); stripped && (err != nil || !r.BearerStripped) {
+			token = "Bearer " + token // the token etcd sees: no proxy knows it
+		}
 		return caller{kind: tokenCaller, token: token}
 	}
 	if s.cfg.ClientCertAuth {

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/streamrelay"
@@ -105,6 +106,8 @@ func (l *leaseServer) LeaseKeepAlive(stream pb.Lease_LeaseKeepAliveServer) error
 			halfClosed = true
 		case <-w.overflow:
 			return errKeepAliveBacklog
+		case err := <-w.failed:
+			return err
 		case <-ctx.Done():
 			return ctx.Err()
 		}
@@ -120,6 +123,7 @@ type keepAliveWaiter struct {
 	outstanding atomic.Int64                    // requests not yet answered
 	overflow    chan struct{}                   // closed once respc was full: the client stopped reading
 	overOnce    sync.Once
+	failed      chan error // buffered 1: etcd refused the keepalives of this caller's identity
 }
 
 func newKeepAliveWaiter(done <-chan struct{}) *keepAliveWaiter {
@@ -127,6 +131,15 @@ func newKeepAliveWaiter(done <-chan struct{}) *keepAliveWaiter {
 		respc:    make(chan *pb.LeaseKeepAliveResponse, keepAliveBuffer),
 		done:     done,
 		overflow: make(chan struct{}),
+		failed:   make(chan error, 1),
+	}
+}
+
+// fail ends the client stream with err, etcd's refusal.
+func (w *keepAliveWaiter) fail(err error) {
+	select {
+	case w.failed <- err:
+	default:
 	}
 }
 
@@ -212,6 +225,10 @@ func (k *keepAlives) run() {
 		if k.ctx.Err() != nil {
 			return
 		}
+		if k.failRefused(err) {
+			bo.Reset()
+			continue
+		}
 		k.lg.Warn("upstream lease keepalive stream broken; reopening", zap.Error(err))
 		bo.Wait(k.ctx)
 	}
@@ -271,6 +288,31 @@ func (k *keepAlives) serveStream() error {
 			return k.ctx.Err()
 		}
 	}
+}
+
+// failRefused ends every waiting client stream with err if it is etcd's
+// refusal of the coalesced callers' identity (auth enabled for anonymous
+// callers: "user name is empty"), as etcd ends each such caller's stream.
+func (k *keepAlives) failRefused(err error) bool {
+	switch e := rpctypes.Error(err); {
+	case errors.Is(e, rpctypes.ErrUserEmpty), errors.Is(e, rpctypes.ErrPermissionDenied),
+		errors.Is(e, rpctypes.ErrInvalidAuthToken), errors.Is(e, rpctypes.ErrAuthOldRevision):
+	default:
+		return false
+	}
+	k.mu.Lock()
+	var waiters []*keepAliveWaiter
+	for id, la := range k.leases {
+		waiters = append(waiters, la.inFlight...)
+		waiters = append(waiters, la.next...)
+		delete(k.leases, id)
+	}
+	k.queue = k.queue[:0]
+	k.mu.Unlock()
+	for _, w := range waiters {
+		w.fail(err)
+	}
+	return true
 }
 
 // dispatch answers the waiters of the request a response belongs to, and

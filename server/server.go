@@ -246,6 +246,7 @@ type Server struct {
 	// disabled (freshAuth).
 	disabledProof *coalesce.Call[bool]
 	noMirrorLog   sync.Once // the error of refusing certificate callers
+	releaseRules  atomic.Pointer[releaseRules]
 	store         *revtree.Store
 	follower      *progress.Follower
 	registry      *prometheus.Registry

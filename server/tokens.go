@@ -87,19 +87,27 @@ func (t *tokens) answered(token string, rev uint64, err error) {
 }
 
 // tokenOf returns the caller's token, "" for none, where etcd's
-// AuthInfoFromCtx reads it: the token key, else a Bearer authorization.
+// AuthInfoFromCtx reads it: the token key, else the authorization key,
+// whose "Bearer " prefix etcd strips (since 3.6.13: see callerOf).
 func tokenOf(ctx context.Context) string {
+	token, _ := bearerTokenOf(ctx)
+	return token
+}
+
+// bearerTokenOf is tokenOf, and whether it lost a "Bearer " prefix.
+func bearerTokenOf(ctx context.Context) (token string, stripped bool) {
 	md, ok := metadata.FromIncomingContext(ctx)
 	if !ok {
-		return ""
+		return "", false
 	}
 	if v := md.Get(rpctypes.TokenFieldNameGRPC); len(v) > 0 {
-		return v[0]
+		return v[0], false
 	}
 	if v := md.Get(rpctypes.TokenFieldNameSwagger); len(v) > 0 {
-		return strings.TrimPrefix(v[0], "Bearer ")
+		token, stripped := strings.CutPrefix(v[0], "Bearer ")
+		return token, stripped
 	}
-	return ""
+	return "", false
 }
 
 // watchTokens is a client interceptor of the forwarding connection: etcd's
