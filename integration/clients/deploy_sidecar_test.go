@@ -2,20 +2,11 @@ package clients
 
 import (
 	"bytes"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/json"
-	"encoding/pem"
 	"fmt"
-	"math/big"
 	"net"
 	"net/http"
 	"net/url"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
@@ -245,52 +236,25 @@ func TestDeploySidecar(t *testing.T) {
 			t.Fatalf("%s=%s: the proxy should trust the etcd CA kube-apiserver trusts (%s)", k, files[k], caFile)
 		}
 	}
-	pki := newTestPKI(t)
-	pki.writeCA(t, moved(caFile))
+	pki := testsupport.NewPKI(t)
+	pki.WriteCA(t, moved(caFile))
 	etcdDir := filepath.Join(root, "etcd-server")
-	pki.writePair(t, "etcd", filepath.Join(etcdDir, "server.crt"), filepath.Join(etcdDir, "server.key"), true, true)
-	pki.writePair(t, "kube-apiserver-etcd-client", moved(files[kubeC.Name+" --etcd-certfile"]), moved(files[kubeC.Name+" --etcd-keyfile"]), false, true)
-	pki.writePair(t, "etcd-snapcache", moved(files[proxyC.Name+" --cert-file"]), moved(files[proxyC.Name+" --key-file"]), true, false)
-	pki.writePair(t, "etcd-snapcache-client", moved(files[proxyC.Name+" --cert"]), moved(files[proxyC.Name+" --key"]), false, true)
+	pki.WritePair(t, "etcd", testsupport.Server|testsupport.Client, filepath.Join(etcdDir, "server.crt"), filepath.Join(etcdDir, "server.key"))
+	pki.WritePair(t, "kube-apiserver-etcd-client", testsupport.Client, moved(files[kubeC.Name+" --etcd-certfile"]), moved(files[kubeC.Name+" --etcd-keyfile"]))
+	pki.WritePair(t, "etcd-snapcache", testsupport.Server, moved(files[proxyC.Name+" --cert-file"]), moved(files[proxyC.Name+" --key-file"]))
+	pki.WritePair(t, "etcd-snapcache-client", testsupport.Client, moved(files[proxyC.Name+" --cert"]), moved(files[proxyC.Name+" --key"]))
 
 	// --- etcd with client-certificate auth.
-	ports := testsupport.FreePorts(t, 4)
-	etcdURL := fmt.Sprintf("https://127.0.0.1:%d", ports[0])
-	peerURL := fmt.Sprintf("http://127.0.0.1:%d", ports[1])
-	ep := startProcess(t, "etcd", bins.etcd, []string{
-		"--name=etcd",
-		"--data-dir=" + filepath.Join(t.TempDir(), "etcd.etcd"),
-		"--listen-client-urls=" + etcdURL,
-		"--advertise-client-urls=" + etcdURL,
-		"--listen-peer-urls=" + peerURL,
-		"--initial-advertise-peer-urls=" + peerURL,
-		"--initial-cluster=etcd=" + peerURL,
-		"--initial-cluster-state=new",
-		"--client-cert-auth",
-		"--trusted-ca-file=" + moved(caFile),
-		"--cert-file=" + filepath.Join(etcdDir, "server.crt"),
-		"--key-file=" + filepath.Join(etcdDir, "server.key"),
-		"--log-level=warn",
-	})
-	clientCert, err := tls.LoadX509KeyPair(moved(files[kubeC.Name+" --etcd-certfile"]), moved(files[kubeC.Name+" --etcd-keyfile"]))
-	if err != nil {
-		t.Fatal(err)
-	}
-	mtls := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{
-		RootCAs: pki.pool, Certificates: []tls.Certificate{clientCert},
-	}}}
-	waitUntil(t, 30*time.Second, "etcd /readyz over mTLS", func() (bool, error) {
-		resp, err := mtls.Get(etcdURL + "/readyz")
-		if err != nil {
-			return false, err
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK, fmt.Errorf("etcd /readyz: %s", resp.Status)
-	}, ep)
+	e := startEtcdTLS(t, "etcd", &serverTLS{
+		cert: filepath.Join(etcdDir, "server.crt"), key: filepath.Join(etcdDir, "server.key"), ca: moved(caFile),
+		client: &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: pki.ClientTLS(t, "")}},
+	}, "--client-cert-auth")
+	etcdURL, ep := e.url, e.process
 
 	// --- The proxy, with the manifest's command line.
-	listenAddr := fmt.Sprintf("127.0.0.1:%d", ports[2])
-	pxMetrics := fmt.Sprintf("127.0.0.1:%d", ports[3])
+	ports := testsupport.FreePorts(t, 2)
+	listenAddr := fmt.Sprintf("127.0.0.1:%d", ports[0])
+	pxMetrics := fmt.Sprintf("127.0.0.1:%d", ports[1])
 	runArgs := setFlag(pxArgs, "endpoints", etcdURL)
 	runArgs = setFlag(runArgs, "listen-addr", listenAddr)
 	runArgs = setFlag(runArgs, "advertise-client-url", "https://"+listenAddr)
@@ -306,7 +270,8 @@ func TestDeploySidecar(t *testing.T) {
 
 	// --- kube-apiserver, with the manifest's --etcd-* flags.
 	dir := t.TempDir()
-	args, port, token := kubeAPIServerSetup(t, dir, "https://"+listenAddr)
+	args, port, token := kubeAPIServerSetup(t, dir)
+	args = append(args, "--etcd-servers=https://"+listenAddr)
 	certDir := filepath.Join(dir, "certs")
 	for _, f := range fileFlags[kubeC] {
 		args = append(args, "--"+f+"="+moved(mustFlag(t, kubeArgs, f)))
@@ -406,92 +371,4 @@ func proxyOwnMetricLines(metricsAddr, name string) (map[string]bool, []string, e
 		}
 	}
 	return names, out, nil
-}
-
-// testPKI is a CA that signs the test's certificates.
-type testPKI struct {
-	ca     *x509.Certificate
-	caKey  *ecdsa.PrivateKey
-	caPEM  []byte
-	pool   *x509.CertPool
-	serial int64
-}
-
-func newTestPKI(t testing.TB) *testPKI {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: "etcd-ca"},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(24 * time.Hour),
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign | x509.KeyUsageDigitalSignature,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &testPKI{ca: ca, caKey: key, caPEM: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pool: x509.NewCertPool(), serial: 1}
-	p.pool.AddCert(ca)
-	return p
-}
-
-func (p *testPKI) writeCA(t testing.TB, path string) {
-	t.Helper()
-	mkdirWrite(t, path, p.caPEM)
-}
-
-// writePair writes a certificate for cn (for IP 127.0.0.1 and localhost)
-// and its key, for server and/or client authentication.
-func (p *testPKI) writePair(t testing.TB, cn, certPath, keyPath string, server, client bool) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.serial++
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(p.serial),
-		Subject:      pkix.Name{CommonName: cn},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(24 * time.Hour),
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-	}
-	if server {
-		tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageServerAuth)
-		tmpl.IPAddresses = []net.IP{net.ParseIP("127.0.0.1")}
-		tmpl.DNSNames = []string{"localhost"}
-	}
-	if client {
-		tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageClientAuth)
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, p.ca, &key.PublicKey, p.caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kb, err := x509.MarshalPKCS8PrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mkdirWrite(t, certPath, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}))
-	mkdirWrite(t, keyPath, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: kb}))
-}
-
-func mkdirWrite(t testing.TB, path string, b []byte) {
-	t.Helper()
-	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(path, b, 0o600); err != nil {
-		t.Fatal(err)
-	}
 }

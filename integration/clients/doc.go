@@ -9,7 +9,9 @@
 //     placeholders (see normalizer);
 //   - kube-apiserver (TestKubeAPIServer): an unmodified kube-apiserver with
 //     the proxy as its only etcd server, with the watch cache off and on,
-//     driven through its HTTPS API;
+//     driven through its HTTPS API; in plaintext, and with etcd's auth on
+//     over mTLS, kube-apiserver identified by its certificate's common
+//     name (the test CA is internal/testsupport's PKI);
 //   - the deploy kit (TestDeploy*): the Dockerfile's static build, the
 //     kube-apiserver sidecar manifest run for real over mTLS and accepted by
 //     a server-side dry run, the systemd unit (systemd-analyze verify), and

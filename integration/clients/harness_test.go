@@ -175,8 +175,11 @@ func waitUntil(t testing.TB, timeout time.Duration, what string, cond func() (bo
 var plainHTTP = &http.Client{Timeout: 5 * time.Second}
 
 // httpOK reports whether GET url answers 200.
-func httpOK(url string) (bool, error) {
-	resp, err := plainHTTP.Get(url)
+func httpOK(url string) (bool, error) { return httpGetOK(plainHTTP, url) }
+
+// httpGetOK reports whether GET url, sent by hc, answers 200.
+func httpGetOK(hc *http.Client, url string) (bool, error) {
+	resp, err := hc.Get(url)
 	if err != nil {
 		return false, err
 	}
@@ -188,6 +191,18 @@ func httpOK(url string) (bool, error) {
 	return true, nil
 }
 
+// serverTLS is a server's TLS, as etcd's and the proxy's --cert-file,
+// --key-file and --trusted-ca-file, and an HTTP client of its HTTP
+// endpoints (over mTLS when it verifies client certificates).
+type serverTLS struct {
+	cert, key, ca string
+	client        *http.Client
+}
+
+func (st *serverTLS) args() []string {
+	return []string{"--cert-file=" + st.cert, "--key-file=" + st.key, "--trusted-ca-file=" + st.ca}
+}
+
 // etcdProc is a single-member etcd started from .tools/bin/etcd.
 type etcdProc struct {
 	*process
@@ -197,12 +212,22 @@ type etcdProc struct {
 
 func startEtcd(t testing.TB, name string, extra ...string) *etcdProc {
 	t.Helper()
+	return startEtcdTLS(t, name, nil, extra...)
+}
+
+// startEtcdTLS starts etcd serving its clients with st (nil: plaintext).
+func startEtcdTLS(t testing.TB, name string, st *serverTLS, extra ...string) *etcdProc {
+	t.Helper()
 	bin := etcdBin(t)
 	ports := testsupport.FreePorts(t, 2)
 	addr := fmt.Sprintf("127.0.0.1:%d", ports[0])
-	clientURL := "http://" + addr
+	clientURL, hc := "http://"+addr, plainHTTP
+	var tlsArgs []string
+	if st != nil {
+		clientURL, hc, tlsArgs = "https://"+addr, st.client, st.args()
+	}
 	peerURL := fmt.Sprintf("http://127.0.0.1:%d", ports[1])
-	args := append([]string{
+	args := append(append([]string{
 		"--name=" + name,
 		"--data-dir=" + filepath.Join(t.TempDir(), name+".etcd"),
 		"--listen-client-urls=" + clientURL,
@@ -212,10 +237,10 @@ func startEtcd(t testing.TB, name string, extra ...string) *etcdProc {
 		"--initial-cluster=" + name + "=" + peerURL,
 		"--initial-cluster-state=new",
 		"--log-level=warn",
-	}, extra...)
+	}, tlsArgs...), extra...)
 	p := startProcess(t, name, bin, args)
 	e := &etcdProc{process: p, addr: addr, url: clientURL}
-	waitUntil(t, 30*time.Second, name+" /readyz", func() (bool, error) { return httpOK(clientURL + "/readyz") }, p)
+	waitUntil(t, 30*time.Second, name+" /readyz", func() (bool, error) { return httpGetOK(hc, clientURL+"/readyz") }, p)
 	return e
 }
 
@@ -225,32 +250,49 @@ type proxyProc struct {
 	addr        string // host:port of the gRPC endpoint
 	url         string
 	metricsAddr string
+	// own is where the proxy's own HTTP endpoints (/proxy/metrics,
+	// /readyz) are read, with hc: --metrics-addr in plaintext, or the
+	// client port when it serves TLS.
+	own string
+	hc  *http.Client
 }
 
 func startProxy(t testing.TB, name, upstream string, extra ...string) *proxyProc {
+	t.Helper()
+	return startProxyTLS(t, name, upstream, nil, extra...)
+}
+
+// startProxyTLS starts the proxy serving its clients with st (nil:
+// plaintext). Its own HTTP endpoints are then read on its client port,
+// through st's client.
+func startProxyTLS(t testing.TB, name, upstream string, st *serverTLS, extra ...string) *proxyProc {
 	t.Helper()
 	bin := snapcacheBin(t)
 	ports := testsupport.FreePorts(t, 2)
 	addr := fmt.Sprintf("127.0.0.1:%d", ports[0])
 	metrics := fmt.Sprintf("127.0.0.1:%d", ports[1])
-	args := append([]string{
+	px := &proxyProc{addr: addr, url: "http://" + addr, metricsAddr: metrics, own: "http://" + metrics, hc: plainHTTP}
+	var tlsArgs []string
+	if st != nil {
+		px.url, px.own, px.hc, tlsArgs = "https://"+addr, "https://"+addr, st.client, st.args()
+	}
+	args := append(append([]string{
 		"serve",
 		"--endpoints=" + upstream,
 		"--listen-addr=" + addr,
 		"--metrics-addr=" + metrics,
-		"--advertise-client-url=http://" + addr,
+		"--advertise-client-url=" + px.url,
 		// Compactions made directly on etcd are noticed within 100ms.
 		"--compaction-probe-interval=100ms",
-	}, extra...)
-	p := startProcess(t, name, bin, args)
-	px := &proxyProc{process: p, addr: addr, url: "http://" + addr, metricsAddr: metrics}
-	waitUntil(t, 30*time.Second, name+" /readyz", func() (bool, error) { return httpOK("http://" + metrics + "/readyz") }, p)
+	}, tlsArgs...), extra...)
+	px.process = startProcess(t, name, bin, args)
+	waitUntil(t, 30*time.Second, name+" /readyz", func() (bool, error) { return httpGetOK(px.hc, px.own+"/readyz") }, px.process)
 	return px
 }
 
 // metric returns the value of an unlabelled etcd_snapcache_ metric.
 func (px *proxyProc) metric(name string) (float64, error) {
-	resp, err := plainHTTP.Get("http://" + px.metricsAddr + "/proxy/metrics")
+	resp, err := px.hc.Get(px.own + "/proxy/metrics")
 	if err != nil {
 		return 0, err
 	}
@@ -273,7 +315,7 @@ func (px *proxyProc) metric(name string) (float64, error) {
 // metricLines returns the proxy's metric lines whose name starts with
 // etcd_snapcache_<prefix>, without comments.
 func (px *proxyProc) metricLines(prefix string) ([]string, error) {
-	resp, err := plainHTTP.Get("http://" + px.metricsAddr + "/proxy/metrics")
+	resp, err := px.hc.Get(px.own + "/proxy/metrics")
 	if err != nil {
 		return nil, err
 	}

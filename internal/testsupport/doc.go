@@ -3,9 +3,10 @@
 // modules integration/robustness and integration/clients. It uses the
 // standard library alone, so that a module importing it gains no
 // dependency: a TCP relay whose connections a test can cut (Relay), free
-// loopback addresses and ports (FreeAddr, FreePorts), and the one way tests
-// wait for a condition (WaitFor, Poll), with a ticker and a deadline rather
-// than pauses.
+// loopback addresses and ports (FreeAddr, FreePorts), a test certificate
+// authority for TLS and mTLS setups (PKI), and the one way tests wait for a
+// condition (WaitFor, Poll), with a ticker and a deadline rather than
+// pauses.
 //
 // Helpers that need etcd or the proxy's packages are in the sub-package
 // proxytest.
