@@ -28,8 +28,10 @@ type caller struct {
 
 func (s *Server) callerOf(ctx context.Context) caller {
 	if token, stripped := bearerTokenOf(ctx); token != "" {
-		if r, err := s.rules(); stripped && (err != nil || !r.BearerStripped) {
-			token = "Bearer " + token // the token etcd sees: no proxy knows it
+		if stripped {
+			if r, err := s.rules(); err != nil || !r.BearerStripped {
+				token = "Bearer " + token // the token etcd sees: no proxy knows it
+			}
 		}
 		return caller{kind: tokenCaller, token: token}
 	}
