@@ -3,6 +3,7 @@ package hashcheck
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"time"
 
@@ -10,7 +11,9 @@ import (
 	"go.uber.org/zap"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/etcderr"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -135,6 +138,24 @@ func (c *Checker) waitReload(ctx context.Context) bool {
 
 var errNotReady = errors.New("hashcheck: the cache is not loaded")
 
+// SameHistory reports whether etcd's keys and mod revisions at rev are the
+// store's: the follower's check of etcd's history on a resume. It changes
+// no state of the checker.
+func (c *Checker) SameHistory(ctx context.Context, rev int64) (bool, error) {
+	view, err := c.cfg.Store.View(rev)
+	if err != nil {
+		return false, fmt.Errorf("the cache's revision %d: %w", rev, err)
+	}
+	res, err := Compare(rev, cacheEntries(view), RangeEntries(ctx, c.cfg.Upstream, rev))
+	if err != nil {
+		return false, err
+	}
+	if !res.Match() {
+		c.lg.Warn("etcd's history differs from the cache's", zap.Int64("revision", rev), zap.String("first-difference", res.FirstDiff))
+	}
+	return res.Match(), nil
+}
+
 // Check compares the cache with etcd now, at the cache's revision, and
 // enters or lifts the fallback accordingly.
 func (c *Checker) Check(ctx context.Context) (Result, error) {
@@ -146,6 +167,11 @@ func (c *Checker) Check(ctx context.Context) (Result, error) {
 		return Result{}, err
 	}
 	res, err := Compare(view.Rev, cacheEntries(view), RangeEntries(ctx, c.cfg.Upstream, view.Rev))
+	if etcderr.Is(err, rpctypes.ErrFutureRev) {
+		// A linearizable read found etcd's head below the cache's
+		// revision: etcd's history is not the cache's.
+		res.FirstDiff, err = fmt.Sprintf("etcd's head is below the cache's revision %d", view.Rev), nil
+	}
 	switch {
 	case err != nil:
 		c.checks.WithLabelValues("error").Inc()

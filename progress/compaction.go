@@ -44,6 +44,10 @@ type compactionProber struct {
 	// failing is set while probes fail, so that an outage logs one warning,
 	// not one per probe; touched only by run's goroutine.
 	failing bool
+	// witness and checkHead look at each probe's answer for a sign of
+	// another history (timeline.go): the probes are quorum reads.
+	witness   func() headWitness
+	checkHead func(headWitness, int64)
 }
 
 func newCompactionProber(store *revtree.Store, kv pb.KVClient, lg *zap.Logger, interval time.Duration, observe func(int64, string)) *compactionProber {
@@ -180,12 +184,22 @@ func (c *compactionProber) find(ctx context.Context, lo, current, hint int64) (i
 
 // readable reports whether etcd still serves reads at rev.
 func (c *compactionProber) readable(ctx context.Context, rev int64) (bool, error) {
-	_, err := c.kv.Range(ctx, &pb.RangeRequest{Key: probeKey, Revision: rev, CountOnly: true})
+	var w headWitness
+	if c.witness != nil {
+		w = c.witness()
+	}
+	resp, err := c.kv.Range(ctx, &pb.RangeRequest{Key: probeKey, Revision: rev, CountOnly: true})
 	switch {
 	case err == nil:
+		if c.checkHead != nil {
+			c.checkHead(w, resp.Header.Revision)
+		}
 		return true, nil
 	case errors.Is(rpctypes.Error(err), rpctypes.ErrCompacted):
 		return false, nil
+	case errors.Is(rpctypes.Error(err), rpctypes.ErrFutureRev) && c.checkHead != nil:
+		c.checkHead(w, rev-1) // etcd's head is below rev
+		return false, fmt.Errorf("probing revision %d: %w", rev, err)
 	default:
 		return false, fmt.Errorf("probing revision %d: %w", rev, err)
 	}

@@ -62,6 +62,9 @@ func (f *Follower) feed(ctx context.Context) {
 	bo := backoff.New(minRetryPause, maxRetryPause)
 	needLoad := true
 	firstLoad := true
+	// resumed: the watch is resumed rather than started right after a
+	// load, so etcd's history must be verified against the store's.
+	resumed := false
 	for ctx.Err() == nil {
 		if needLoad {
 			target, err := f.load(ctx, firstLoad && f.cfg.LoadRetainedHistory)
@@ -75,20 +78,23 @@ func (f *Follower) feed(ctx context.Context) {
 			f.loadErr.Store(nil)
 			firstLoad = false
 			needLoad = false
+			resumed = false
 			f.loading.Store(false)
 			f.readyAt(target)
 		}
-		err := f.follow(ctx, bo, true)
+		err := f.follow(ctx, bo, true, resumed)
 		if errors.Is(err, errBehindHead) && ctx.Err() == nil {
 			// etcd moved on since the store's revision: follow from
 			// there, as an unsynced watcher that etcd catches up.
-			err = f.follow(ctx, bo, false)
+			err = f.follow(ctx, bo, false, resumed)
 		}
+		resumed = true
 		if ctx.Err() != nil {
 			break
 		}
 		var reload *reloadError
 		if errors.As(err, &reload) {
+			f.takeReloadReason() // this reload serves any asked for meanwhile
 			f.lg.Warn("reloading the keyspace from etcd", zap.String("reason", reload.reason), zap.Error(reload.err))
 			f.m.observeReload(reload.reason)
 			f.loading.Store(true)
@@ -111,13 +117,19 @@ func (f *Follower) load(ctx context.Context, history bool) (int64, error) {
 	// store can serve. A failure leaves it unknown, and the version
 	// tracker retries.
 	f.version.refresh(ctx)
+	if f.timeline.pending.Load() {
+		// Another history: nothing of the old one holds, not even its
+		// compaction revision or the heads it reported.
+		f.store.ForgetCompaction()
+		f.upstream.resetHead()
+	}
 	// The current revision first: it is the load revision, or with history
 	// the revision the replay must reach before the cache is ready.
 	head, err := f.kv.Range(ctx, &pb.RangeRequest{Key: wholeKey, RangeEnd: wholeRangeEnd, CountOnly: true})
 	if err != nil {
 		return 0, fmt.Errorf("reading the current revision: %w", err)
 	}
-	f.upstream.observe(head.Header)
+	f.observeHeader(head.Header)
 	current := head.Header.Revision
 	f.upstream.observeHead(current)
 	compactRev, err := f.compaction.find(ctx, f.store.CompactRev(), current, 0)
@@ -133,6 +145,7 @@ func (f *Follower) load(ctx context.Context, history bool) (int64, error) {
 		return 0, err
 	}
 	f.store.Reset(loadRev, kvs, compactRev)
+	f.timeline.loaded(head.Header.ClusterId)
 	f.loads.Add(1) // before waking waiters, which may be waiting for it
 	f.changes.notify()
 	f.lg.Info("loaded the keyspace from etcd",
@@ -162,7 +175,7 @@ func (f *Follower) rangeAll(ctx context.Context, rev int64) ([]*mvccpb.KeyValue,
 		if err != nil {
 			return nil, fmt.Errorf("loading keys at revision %d: %w", rev, err)
 		}
-		f.upstream.observe(resp.Header)
+		f.observeHeader(resp.Header)
 		kvs = append(kvs, resp.Kvs...)
 		if !resp.More || len(resp.Kvs) == 0 {
 			return kvs, nil
@@ -198,7 +211,11 @@ var errBehindHead = errors.New("etcd's head is past the store's revision")
 // a stream whose watcher starts beyond its head; etcd catches that
 // unsynced watcher up within its sync interval (100 ms), and the store's
 // own revision comes back as a duplicate and is skipped.
-func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead bool) error {
+//
+// A resumed watch is followed only once etcd's history is verified to be
+// the store's (verifyResume); then the stream counts as verified for read
+// fences until it ends.
+func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead, resumed bool) error {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
 	f.mu.Lock()
@@ -215,6 +232,7 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead boo
 		f.mu.Unlock()
 	}()
 	defer f.following.Store(false)
+	defer f.verified.Store(0)
 	stream, err := f.wc.Watch(wctx)
 	if err != nil {
 		return fmt.Errorf("opening the upstream watch: %w", err)
@@ -268,17 +286,30 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead boo
 			}
 			return fmt.Errorf("upstream watch: %w", err)
 		}
-		f.upstream.observe(resp.Header)
+		f.observeHeader(resp.Header)
 		switch {
 		case resp.CompactRevision != 0:
-			// The resume revision was compacted while we were away.
-			f.ObserveCompaction(resp.CompactRevision, "watch")
-			return &reloadError{reason: "compacted", err: fmt.Errorf("watch from revision %d canceled: compacted at %d", startRev, resp.CompactRevision)}
+			// The resume revision was compacted while we were away, or
+			// etcd was restored with --mark-compacted: either way every
+			// watcher is behind etcd's compaction, and etcd would cancel
+			// it.
+			err := fmt.Errorf("watch from revision %d canceled: compacted at %d", startRev, resp.CompactRevision)
+			f.timelineChanged("compacted-resume", err)
+			return &reloadError{reason: "timeline", err: err}
 		case resp.Canceled:
 			return fmt.Errorf("upstream watch canceled: %s", resp.CancelReason)
 		case resp.Created && fromHead && resp.Header.Revision > startRev:
 			return errBehindHead
 		case resp.Created:
+			if resumed {
+				if err := f.verifyResume(wctx, startRev); err != nil {
+					if errors.Is(err, errTimeline) {
+						return &reloadError{reason: "timeline", err: err}
+					}
+					return err
+				}
+			}
+			f.verified.Store(f.streamGens.Add(1))
 			f.following.Store(true)
 			f.leader.found()
 			bo.Reset()

@@ -40,6 +40,10 @@ type Config struct {
 	// revision and replay all of etcd's retained history into snapshots, so
 	// historical reads are served from memory after a proxy restart.
 	LoadRetainedHistory bool
+	// VerifyHistory, if set, reports whether etcd's keys and their mod
+	// revisions at rev are the store's: it runs on every resume of the
+	// upstream watch, before the store serves again (timeline.go).
+	VerifyHistory func(ctx context.Context, rev int64) (bool, error)
 }
 
 // Follower keeps a revtree.Store in step with etcd. Create it with New and
@@ -54,6 +58,8 @@ type Config struct {
 //   - what the upstream member reports of itself: header fields, head and
 //     release (upstreamState, versionTracker);
 //   - whether the upstream has a leader (leaderState);
+//   - one timeline: signs that etcd's history is no longer the store's
+//     (timeline.go);
 //   - etcd's periodic progress interval, from an idle watch
 //     (progressTicker).
 type Follower struct {
@@ -75,9 +81,16 @@ type Follower struct {
 
 	ready     chan struct{} // closed once the first load has caught up
 	readyOnce sync.Once
-	following atomic.Bool  // the upstream watch is established
-	loading   atomic.Bool  // a load or reload is under way
-	loads     atomic.Int64 // loads completed
+	following atomic.Bool // the upstream watch is established
+	loading   atomic.Bool // a load or reload is under way
+	timeline  timeline
+	// verified is the generation of the upstream watch stream while it is
+	// established and verified to continue the store's history; 0 while
+	// none is. A read fence holds only if one stream was, from before its
+	// quorum read until the store reached the head.
+	verified   atomic.Uint64
+	streamGens atomic.Uint64 // the last generation handed out
+	loads      atomic.Int64  // loads completed
 	// loadErr is why the last load attempt failed; nil once one succeeds.
 	loadErr atomic.Pointer[error]
 
@@ -115,6 +128,7 @@ func New(cfg Config) *Follower {
 	f.probes = newHeadProbe(f.readHead)
 	f.ticker = &progressTicker{wc: f.wc, lg: f.lg}
 	f.compaction = newCompactionProber(f.store, f.kv, f.lg, cfg.CompactionProbeInterval, f.ObserveCompaction)
+	f.compaction.witness, f.compaction.checkHead = f.witness, f.checkHead
 	f.loading.Store(true)
 	f.m.bindStore(cfg.Store)
 	f.m.bindFollower(f)
@@ -191,7 +205,7 @@ func (f *Follower) FillHeader(h *pb.ResponseHeader) { f.upstream.fill(h) }
 
 // ObserveHeader records the cluster fields and head revision of an upstream
 // response header.
-func (f *Follower) ObserveHeader(h *pb.ResponseHeader) { f.upstream.observe(h) }
+func (f *Follower) ObserveHeader(h *pb.ResponseHeader) { f.observeHeader(h) }
 
 // HeadSeen is the highest revision any etcd answer has reported to the
 // proxy: a write acknowledged through it, a forwarded read, a probe. A read

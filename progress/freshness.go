@@ -35,6 +35,13 @@ var (
 // could not be proven.
 func (f *Follower) Fence(ctx context.Context, rev int64) (int64, error) {
 	start := time.Now()
+	gen := f.verified.Load()
+	if gen == 0 {
+		// No stream known to continue the store's history: etcd's head
+		// proves nothing about the store (it may come from a restored
+		// etcd that the follower has not reconnected to yet).
+		return 0, ErrNotFollowing
+	}
 	head, err := f.probes.do(ctx, rev)
 	if err == nil {
 		err = f.WaitRevision(ctx, head)
@@ -48,6 +55,9 @@ func (f *Follower) Fence(ctx context.Context, rev int64) (int64, error) {
 	f.m.observeFenceWait(time.Since(start))
 	if err != nil {
 		return 0, err
+	}
+	if f.verified.Load() != gen {
+		return 0, ErrNotFollowing // the stream changed while the fence waited
 	}
 	return f.store.Rev(), nil
 }
@@ -70,15 +80,18 @@ func (f *Follower) waitApplied(ctx context.Context, rev int64) error {
 // readHead is the quorum read: a linearizable count-only Range of one key at
 // rev, whose header carries etcd's head.
 func (f *Follower) readHead(ctx context.Context, rev int64) (int64, error) {
+	w := f.witness()
 	resp, err := f.kv.Range(ctx, &pb.RangeRequest{Key: probeKey, Revision: rev, CountOnly: true})
 	switch {
 	case err == nil:
-		f.upstream.observe(resp.Header)
+		f.observeHeader(resp.Header)
 		f.upstream.observeHead(resp.Header.Revision)
+		f.checkHead(w, resp.Header.Revision)
 		return resp.Header.Revision, nil
 	case errors.Is(rpctypes.Error(err), rpctypes.ErrCompacted):
 		return 0, ErrCompacted
 	case errors.Is(rpctypes.Error(err), rpctypes.ErrFutureRev):
+		f.checkHead(w, rev-1) // etcd's head is below rev
 		return 0, ErrFutureRev
 	default:
 		return 0, fmt.Errorf("reading etcd's revision: %w", err)

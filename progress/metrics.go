@@ -14,6 +14,7 @@ type Metrics struct {
 	reg              prometheus.Registerer
 	loads            prometheus.Counter
 	reloads          *prometheus.CounterVec
+	timelineChanges  *prometheus.CounterVec
 	watchRestarts    prometheus.Counter
 	events           prometheus.Counter
 	compactions      *prometheus.CounterVec
@@ -46,6 +47,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 16), // 100µs to 3.3s
 		}),
 	}
+	m.timelineChanges = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "etcd_snapcache_timeline_changes_total",
+		Help: "Times etcd's history was found to differ from the cache's (a restore, another cluster), by the sign that showed it.",
+	}, []string{"sign"})
+	reg.MustRegister(m.timelineChanges)
 	reg.MustRegister(m.loads, m.reloads, m.watchRestarts, m.events, m.compactions, m.progressRequests, m.fenceWait)
 	return m
 }
@@ -90,6 +96,12 @@ func (m *Metrics) observeLoad() {
 func (m *Metrics) observeReload(reason string) {
 	if m != nil {
 		m.reloads.WithLabelValues(reason).Inc()
+	}
+}
+
+func (m *Metrics) observeTimelineChange(sign string) {
+	if m != nil {
+		m.timelineChanges.WithLabelValues(sign).Inc()
 	}
 }
 

@@ -52,6 +52,10 @@ func (u *upstreamState) observeHead(rev int64) {
 	}
 }
 
+// resetHead forgets the heads reported so far: after a change of timeline
+// they belong to a history that is gone.
+func (u *upstreamState) resetHead() { u.head.Store(0) }
+
 // fill sets h's cluster fields to those of the latest upstream response.
 func (u *upstreamState) fill(h *pb.ResponseHeader) {
 	u.mu.Lock()

@@ -332,6 +332,8 @@ func Start(cfg Config) (*Server, error) {
 		CompactionProbeInterval: cfg.CompactionProbeInterval,
 		LoadRetainedHistory:     cfg.LoadRetainedHistory,
 		BeforeLoadPage:          cfg.BeforeLoadPage,
+		// The checker is built next; resumes happen only once Run began.
+		VerifyHistory: func(ctx context.Context, rev int64) (bool, error) { return s.checker.SameHistory(ctx, rev) },
 	})
 	s.checker = hashcheck.New(hashcheck.Config{
 		Store:      s.store,
