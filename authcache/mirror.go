@@ -20,9 +20,14 @@ import (
 )
 
 // DefaultPollInterval is how often the mirror asks etcd for its auth
-// revision: an auth change reaches cached serializable reads and new
-// watches within about this long.
+// revision while auth is enabled: an auth change reaches cached
+// serializable reads and new watches within about this long.
 const DefaultPollInterval = time.Second
+
+// disabledPollInterval is how often the cheap probe asks whether auth was
+// enabled: enabling it must stop anonymous cached reads within a second,
+// with the reading of users and roles that follows included.
+const disabledPollInterval = 250 * time.Millisecond
 
 // MirrorConfig configures a Mirror.
 type MirrorConfig struct {
@@ -88,10 +93,15 @@ const statusTimeout = 3 * time.Second
 func (m *Mirror) Run(ctx context.Context) {
 	m.status.Start(ctx)
 	defer m.status.Stop()
-	t := time.NewTicker(m.cfg.Interval)
+	t := time.NewTimer(0)
 	defer t.Stop()
 	for {
 		m.poll(ctx)
+		next := m.cfg.Interval
+		if on, known := m.Enabled(); m.cfg.EnabledProbe != nil && (!known || !on) {
+			next = min(next, disabledPollInterval)
+		}
+		t.Reset(next)
 		select {
 		case <-ctx.Done():
 			return
