@@ -149,6 +149,12 @@ func (f *Follower) verifyResume(ctx context.Context, rev int64) error {
 	if f.timeline.pending.Load() {
 		return errTimeline
 	}
+	if c := f.store.CompactRev(); c > rev {
+		// etcd compacted past the store's revision while the watch was
+		// away (the probe mirrored it): the resume is refused too.
+		f.timelineChanged("compacted-resume", fmt.Errorf("etcd compacted at %d, past the cache's revision %d", c, rev))
+		return errTimeline
+	}
 	if f.cfg.VerifyHistory == nil {
 		return nil
 	}
