@@ -295,7 +295,7 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead, re
 			// it.
 			err := fmt.Errorf("watch from revision %d canceled: compacted at %d", startRev, resp.CompactRevision)
 			f.timelineChanged("compacted-resume", err)
-			return &reloadError{reason: "timeline", err: err}
+			return &reloadError{reason: "compacted", err: err}
 		case resp.Canceled:
 			return fmt.Errorf("upstream watch canceled: %s", resp.CancelReason)
 		case resp.Created && fromHead && resp.Header.Revision > startRev:
@@ -303,8 +303,11 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead, re
 		case resp.Created:
 			if resumed {
 				if err := f.verifyResume(wctx, startRev); err != nil {
-					if errors.Is(err, errTimeline) {
+					switch {
+					case errors.Is(err, errTimeline):
 						return &reloadError{reason: "timeline", err: err}
+					case errors.Is(err, errCompactedResume):
+						return &reloadError{reason: "compacted", err: err}
 					}
 					return err
 				}

@@ -36,8 +36,12 @@ import (
 // service ends every client watch as compacted, so clients relist, as they
 // must after a restore), and the keyspace is reloaded from scratch.
 
-// errTimeline ends the upstream watch when the history differs.
-var errTimeline = errors.New("etcd's history is not the cache's")
+// errTimeline ends the upstream watch when the history differs, and
+// errCompactedResume when etcd compacted past the store's revision.
+var (
+	errTimeline        = errors.New("etcd's history is not the cache's")
+	errCompactedResume = errors.New("etcd compacted past the cache's revision")
+)
 
 // timeline holds what the proxy knows of the history it follows.
 type timeline struct {
@@ -132,7 +136,16 @@ func (f *Follower) timelineChanged(sign string, detail error) {
 	f.m.observeTimelineChange(sign)
 	f.lg.Error("etcd's history differs from the cache's (restored from a snapshot, or another cluster): serving from etcd, ending every watch as compacted and reloading",
 		zap.String("sign", sign), zap.Int64("store-revision", f.store.Rev()), zap.Error(detail))
-	f.Reload("timeline")
+	f.Reload(reloadReasonFor(sign))
+}
+
+// reloadReasonFor is the reload reason of a sign: a compacted resume is
+// counted as the compaction it usually is.
+func reloadReasonFor(sign string) string {
+	if sign == "compacted-resume" {
+		return "compacted"
+	}
+	return "timeline"
 }
 
 // verifyResume compares etcd's history with the store's at rev before a
@@ -153,7 +166,7 @@ func (f *Follower) verifyResume(ctx context.Context, rev int64) error {
 		// etcd compacted past the store's revision while the watch was
 		// away (the probe mirrored it): the resume is refused too.
 		f.timelineChanged("compacted-resume", fmt.Errorf("etcd compacted at %d, past the cache's revision %d", c, rev))
-		return errTimeline
+		return errCompactedResume
 	}
 	if f.cfg.VerifyHistory == nil {
 		return nil
@@ -164,7 +177,7 @@ func (f *Follower) verifyResume(ctx context.Context, rev int64) error {
 		// Compacted past the store's revision while away: the resume is
 		// refused too, and every watcher etcd would cancel is behind it.
 		f.timelineChanged("compacted-resume", err)
-		return errTimeline
+		return errCompactedResume
 	case etcderr.Is(err, rpctypes.ErrFutureRev):
 		f.timelineChanged("head-below-cache", err)
 		return errTimeline
