@@ -45,6 +45,8 @@ func (e *reloadError) Unwrap() error { return e.err }
 // is the operator's to fix: the proxy's identity must read every key.
 func (f *Follower) loadFailed(err error) {
 	switch e := etcderr.Of(err); {
+	case errors.Is(err, errUnsupportedRelease):
+		f.lg.Error("cannot follow etcd; not ready", zap.Error(err))
 	case errors.Is(e, rpctypes.ErrPermissionDenied), errors.Is(e, rpctypes.ErrUserEmpty),
 		errors.Is(e, rpctypes.ErrAuthFailed), errors.Is(e, rpctypes.ErrInvalidAuthToken):
 		err = fmt.Errorf("etcd has auth enabled and the proxy's own identity cannot read the whole keyspace; give it a user with the root role (--user name:password) or a client certificate naming one: %w", err)
@@ -117,6 +119,9 @@ func (f *Follower) load(ctx context.Context, history bool) (int64, error) {
 	// store can serve. A failure leaves it unknown, and the version
 	// tracker retries.
 	f.version.refresh(ctx)
+	if err := checkRelease(f.upstream.getVersion()); err != nil {
+		return 0, err
+	}
 	if f.timeline.pending.Load() {
 		// Another history: nothing of the old one holds, not even its
 		// compaction revision or the heads it reported.

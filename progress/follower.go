@@ -125,6 +125,10 @@ func New(cfg Config) *Follower {
 		ready:    make(chan struct{}),
 	}
 	f.version = newVersionTracker(f.upstream, pb.NewMaintenanceClient(conn), f.lg)
+	f.version.unsupported = func(err error) {
+		f.lg.Error("etcd now runs a release the proxy cannot follow; reloading, which waits for a supported one", zap.Error(err))
+		f.Reload("unsupported-release")
+	}
 	f.probes = newHeadProbe(f.readHead)
 	f.ticker = &progressTicker{wc: f.wc, lg: f.lg}
 	f.compaction = newCompactionProber(f.store, f.kv, f.lg, cfg.CompactionProbeInterval, f.ObserveCompaction)

@@ -89,10 +89,13 @@ const (
 // read again after every reconnect, and retried while unknown. Readers treat
 // an unknown release conservatively (see kvproxy).
 type versionTracker struct {
-	state   *upstreamState
-	status  func(ctx context.Context) (*pb.StatusResponse, error)
-	lg      *zap.Logger
-	recheck chan struct{} // buffered 1: the connection was re-established
+	// unsupported, if set, is told of a release the follower cannot
+	// follow, read after a reconnect (a downgrade under the proxy).
+	unsupported func(error)
+	state       *upstreamState
+	status      func(ctx context.Context) (*pb.StatusResponse, error)
+	lg          *zap.Logger
+	recheck     chan struct{} // buffered 1: the connection was re-established
 }
 
 func newVersionTracker(state *upstreamState, mt pb.MaintenanceClient, lg *zap.Logger) *versionTracker {
@@ -133,6 +136,9 @@ func (v *versionTracker) refresh(ctx context.Context) bool {
 		v.lg.Info("upstream etcd version", zap.String("version", st.Version))
 	}
 	v.state.setVersion(st.Version)
+	if err := checkRelease(st.Version); err != nil && v.unsupported != nil {
+		v.unsupported(err)
+	}
 	return true
 }
 
