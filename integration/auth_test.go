@@ -23,7 +23,7 @@ import (
 
 // setUpAuth creates root (role root) and alice, whose role may read and
 // write /alice/ only, writes /secret and /alice/x, and enables auth.
-func setUpAuth(t *testing.T, admin *clientv3.Client) {
+func setUpAuth(t testing.TB, admin *clientv3.Client) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -67,7 +67,7 @@ func startAuthProxy(t *testing.T) (string, *server.Server, *clientv3.Client) {
 
 // callerClient is a client of ep as one caller: a user with a password,
 // a TLS client certificate, both or neither.
-func callerClient(t *testing.T, ep, user, password string, tlsCfg *tls.Config) *clientv3.Client {
+func callerClient(t testing.TB, ep, user, password string, tlsCfg *tls.Config) *clientv3.Client {
 	t.Helper()
 	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{ep}, Username: user, Password: password, TLS: tlsCfg, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
 	if err != nil {

@@ -9,6 +9,9 @@ package integration
 //
 //	go test -run '^$' -bench 'Historical|Paginated|Serializable' -benchtime 3s ./integration/
 //
+// The same with auth enabled on both sides: the ...Auth benchmarks
+// (benchauth_test.go).
+//
 // etcd, the proxy and the clients share the process, so allocs/op and B/op
 // count all three, and every side competes for the same CPUs.
 
@@ -22,8 +25,10 @@ import (
 
 // BenchmarkHistoricalRange: a full Range of the prefix (10k keys x 1 KiB) at
 // revision R, with 2000 revisions after R.
-func BenchmarkHistoricalRange(b *testing.B) {
-	env := newBenchEnv(b)
+func BenchmarkHistoricalRange(b *testing.B) { benchHistoricalRange(b, benchOptions{}) }
+
+func benchHistoricalRange(b *testing.B, opts benchOptions) {
+	env := newBenchEnv(b, opts)
 	req := env.fullRange()
 	compareBackends(b, env, env.rangeBytes, func(ctx context.Context, kv pb.KVClient) error {
 		resp, err := kv.Range(ctx, req)
@@ -39,8 +44,10 @@ func BenchmarkHistoricalRange(b *testing.B) {
 
 // BenchmarkPaginatedList: one op is a whole kube-apiserver-style LIST at R,
 // 20 pages of 500 keys.
-func BenchmarkPaginatedList(b *testing.B) {
-	env := newBenchEnv(b)
+func BenchmarkPaginatedList(b *testing.B) { benchPaginatedList(b, benchOptions{}) }
+
+func benchPaginatedList(b *testing.B, opts benchOptions) {
+	env := newBenchEnv(b, opts)
 	compareBackends(b, env, env.rangeBytes, func(ctx context.Context, kv pb.KVClient) error {
 		n, err := env.paginatedList(ctx, kv)
 		if err != nil {
@@ -55,7 +62,7 @@ func BenchmarkPaginatedList(b *testing.B) {
 
 // BenchmarkSerializableGet: one key, serializable, at the latest revision.
 func BenchmarkSerializableGet(b *testing.B) {
-	env := newBenchEnv(b)
+	env := newBenchEnv(b, benchOptions{})
 	req := &pb.RangeRequest{Key: env.keys[benchKeys/2], Serializable: true}
 	compareBackends(b, env, 0, func(ctx context.Context, kv pb.KVClient) error {
 		resp, err := kv.Range(ctx, req)
@@ -73,8 +80,10 @@ func BenchmarkSerializableGet(b *testing.B) {
 // GET and health check) from 32 concurrent clients. The proxy serves it from
 // its cache behind a read fence: one quorum read of etcd's revision shared
 // by the readers that arrived before it started.
-func BenchmarkLinearizableGet(b *testing.B) {
-	env := newBenchEnv(b)
+func BenchmarkLinearizableGet(b *testing.B) { benchLinearizableGet(b, benchOptions{}) }
+
+func benchLinearizableGet(b *testing.B, opts benchOptions) {
+	env := newBenchEnv(b, opts)
 	req := &pb.RangeRequest{Key: env.keys[benchKeys/3]}
 	compareBackendsN(b, env, 32, 0, func(ctx context.Context, kv pb.KVClient) error {
 		resp, err := kv.Range(ctx, req)

@@ -39,23 +39,36 @@ var benchClients = flag.Int("snapcache.bench.clients", 8,
 // benchEnv is a cluster loaded with the benchmark data set.
 type benchEnv struct {
 	c          *cluster
-	etcdKV     pb.KVClient // c.directKV without the receive limit
-	proxyKV    pb.KVClient // c.proxyKV without the receive limit
+	etcdKV     pb.KVClient // the load's: c.directKV, or the reader's with auth
+	proxyKV    pb.KVClient // the load's: c.proxyKV, or the reader's with auth
 	prefix     []byte
 	rangeEnd   []byte // prefix + 1: [prefix, rangeEnd) is the whole set
 	rev        int64  // R: the revision after the load, before the updates
 	keys       [][]byte
 	rangeBytes int64 // encoded size of the full Range response at R
+	auth       bool  // benchOptions.auth
+}
+
+// benchOptions vary the benchmark cluster.
+type benchOptions struct {
+	// auth enables auth in etcd before the proxy starts, which then runs
+	// as root; the load clients of both sides authenticate as a user whose
+	// role may only read the benchmark prefix (benchauth_test.go).
+	auth bool
 }
 
 // newBenchEnv starts a cluster, loads benchKeys keys of benchValueSize bytes
 // in Txns of benchTxnOps puts, remembers the revision R, then makes
 // benchUpdates single-put revisions over random existing keys, and waits
 // until the proxy has applied them. Everything is written directly to etcd.
-func newBenchEnv(b *testing.B) *benchEnv {
+func newBenchEnv(b *testing.B, opts benchOptions) *benchEnv {
 	b.Helper()
 	start := time.Now()
-	c := newCluster(b, clusterOptions{quiet: true})
+	copts := clusterOptions{quiet: true}
+	if opts.auth {
+		copts.configure = benchAuthSetUp(b)
+	}
+	c := newCluster(b, copts)
 	env := &benchEnv{
 		c:        c,
 		etcdKV:   c.directKV,
@@ -63,9 +76,13 @@ func newBenchEnv(b *testing.B) *benchEnv {
 		prefix:   []byte(benchPrefix),
 		rangeEnd: []byte(clientv3.GetPrefixRangeEnd(benchPrefix)),
 		keys:     make([][]byte, benchKeys),
+		auth:     opts.auth,
 	}
 	for i := range env.keys {
 		env.keys[i] = fmt.Appendf(nil, "%spod-%05d", benchPrefix, i)
+	}
+	if opts.auth {
+		env.authenticate(b)
 	}
 	ctx := context.Background()
 
@@ -125,8 +142,8 @@ func newBenchEnv(b *testing.B) *benchEnv {
 		}
 	}
 	env.rangeBytes = int64(proto.Size(fromEtcd))
-	b.Logf("setup: %d keys x %d B at R=%d, %d update revisions, full range %.1f MiB, %d clients, GOMAXPROCS %d; took %v",
-		benchKeys, benchValueSize, env.rev, benchUpdates, float64(env.rangeBytes)/(1<<20), *benchClients, runtime.GOMAXPROCS(0), time.Since(start).Round(time.Millisecond))
+	b.Logf("setup: %d keys x %d B at R=%d, %d update revisions, full range %.1f MiB, %d clients, GOMAXPROCS %d, auth %v; took %v",
+		benchKeys, benchValueSize, env.rev, benchUpdates, float64(env.rangeBytes)/(1<<20), *benchClients, runtime.GOMAXPROCS(0), opts.auth, time.Since(start).Round(time.Millisecond))
 	return env
 }
 
@@ -288,26 +305,38 @@ func compareBackends(b *testing.B, env *benchEnv, bytesPerOp int64, op func(ctx 
 
 // compareBackendsN is compareBackends with clients concurrent clients. Both
 // sub-benchmarks also report the requests etcd's KV service received per
-// 1,000 ops ("etcd-kv-req/1k-ops"): the proxy's cost to etcd.
+// 1,000 ops ("etcd-kv-req/1k-ops"): the proxy's cost to etcd; with auth
+// enabled, also those of its Auth service ("etcd-auth-req/1k-ops": the
+// proxy's AuthStatus proofs). The proxy's reports the share of its Ranges
+// it served from its cache ("cache-%"), which must be all of them.
 func compareBackendsN(b *testing.B, env *benchEnv, clients int, bytesPerOp int64, op func(ctx context.Context, kv pb.KVClient) error) {
 	b.Helper()
-	etcdKVRequests := func() float64 {
-		return metricSum(b, prometheus.DefaultGatherer, "grpc_server_started_total", map[string]string{"grpc_service": "etcdserverpb.KV"})
+	etcdRequests := func(service string) float64 {
+		return metricSum(b, prometheus.DefaultGatherer, "grpc_server_started_total", map[string]string{"grpc_service": service})
+	}
+	reportEtcdRequests := func(b *testing.B, kv0, auth0 float64) {
+		b.ReportMetric((etcdRequests("etcdserverpb.KV")-kv0)*1000/float64(b.N), "etcd-kv-req/1k-ops")
+		if env.auth {
+			b.ReportMetric((etcdRequests("etcdserverpb.Auth")-auth0)*1000/float64(b.N), "etcd-auth-req/1k-ops")
+		}
 	}
 	var etcd, proxy benchResult
 	b.Run("etcd", func(b *testing.B) {
-		req0 := etcdKVRequests()
+		kv0, auth0 := etcdRequests("etcdserverpb.KV"), etcdRequests("etcdserverpb.Auth")
 		etcd = runThroughput(b, clients, bytesPerOp, func(ctx context.Context) error { return op(ctx, env.etcdKV) })
-		b.ReportMetric((etcdKVRequests()-req0)*1000/float64(b.N), "etcd-kv-req/1k-ops")
+		reportEtcdRequests(b, kv0, auth0)
 	})
 	b.Run("proxy", func(b *testing.B) {
 		cacheBefore, fwdBefore := proxyRangeSources(b, env.c)
-		req0 := etcdKVRequests()
+		kv0, auth0 := etcdRequests("etcdserverpb.KV"), etcdRequests("etcdserverpb.Auth")
 		prog0 := env.c.proxyMetric(b, "etcd_snapcache_upstream_progress_requests_total", nil)
 		proxy = runThroughput(b, clients, bytesPerOp, func(ctx context.Context) error { return op(ctx, env.proxyKV) })
-		b.ReportMetric((etcdKVRequests()-req0)*1000/float64(b.N), "etcd-kv-req/1k-ops")
+		reportEtcdRequests(b, kv0, auth0)
 		b.ReportMetric((env.c.proxyMetric(b, "etcd_snapcache_upstream_progress_requests_total", nil)-prog0)*1000/float64(b.N), "progress-req/1k-ops")
 		cacheAfter, fwdAfter := proxyRangeSources(b, env.c)
+		if served := cacheAfter - cacheBefore + fwdAfter - fwdBefore; served > 0 {
+			b.ReportMetric(100*(cacheAfter-cacheBefore)/served, "cache-%")
+		}
 		if fwdAfter != fwdBefore || cacheAfter-cacheBefore < float64(b.N) {
 			b.Fatalf("the proxy served %v Ranges from its cache and forwarded %v to etcd for %d ops; the measurement is not of the cache",
 				cacheAfter-cacheBefore, fwdAfter-fwdBefore, b.N)

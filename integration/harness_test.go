@@ -132,8 +132,17 @@ func (c *cluster) restartProxy(tb testing.TB, whileDown func()) int64 {
 
 func newClient(tb testing.TB, addr string) *clientv3.Client {
 	tb.Helper()
+	return newUserClient(tb, addr, "", "")
+}
+
+// newUserClient is newClient authenticated as user with password (none if
+// user is empty).
+func newUserClient(tb testing.TB, addr, user, password string) *clientv3.Client {
+	tb.Helper()
 	cli, err := clientv3.New(clientv3.Config{
 		Endpoints:   []string{addr},
+		Username:    user,
+		Password:    password,
 		DialTimeout: 5 * time.Second,
 		// Large historical ranges are bigger than grpc-go's 4 MiB default,
 		// and the raw pb clients on this connection do not get clientv3's
