@@ -8,16 +8,26 @@
 // watcher's events from the immutable per-revision history in revtree at its
 // own pace. A slow client therefore only delays its own stream: it never
 // blocks the follower or another stream, and it holds no queue of events,
-// only the batch being sent. A watcher that falls behind etcd's compaction
-// is canceled with compact_revision, as etcd cancels it.
+// only the batch being sent. Compaction cancels watchers as etcd's mvcc
+// does: an unsynced watcher (one that started in the past and has not
+// reached the head yet) whose next revision etcd compacted gets the cancel
+// with compact_revision; a synced one never does, even for a compaction
+// mirrored above the store's head, and reads on from the history, unless
+// its slow client let the events it needs be dropped.
 //
 // A watcher whose start revision is older than the proxy's history but still
 // retained by etcd (after a proxy restart or reload) is caught up from etcd
 // with one bounded upstream watch of its range. Its events up to where the
 // proxy's history begins are relayed. The watcher then continues from the
-// history, with no gap and no duplicate. Streams whose requests carry an
-// auth token are relayed to etcd whole, because only etcd can check the
-// caller's permissions.
+// history, with no gap and no duplicate. At most maxCatchups such watches
+// are open at once; one whose client stops reading gives its slot up after
+// catchupStall and goes on later from where it was, one whose upstream
+// watch breaks is opened again, and one that etcd refuses ends its own
+// watcher with etcd's cancel, never the stream. Streams whose requests
+// carry an auth token are relayed to etcd whole, because only etcd can check
+// the caller's permissions. While the consistency checker holds the cache
+// wrong, new streams are relayed, and running ones cancel every watcher as
+// compacted, so that clients relist, and end with Unavailable.
 //
 // Ordering invariants, per stream:
 //   - responses leave in the order the send loop produces them, so created

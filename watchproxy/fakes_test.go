@@ -228,8 +228,10 @@ type world struct {
 	srv      *Server
 	live     map[string]*mvccpb.KeyValue
 	// applied holds the events of every applied revision, with PrevKv
-	// from the model.
-	applied map[int64][]*mvccpb.Event
+	// from the model. It is written before the store applies the revision
+	// (a heldStore reads it from send loops), under appliedMu.
+	appliedMu sync.Mutex
+	applied   map[int64][]*mvccpb.Event
 }
 
 // newWorld loads the store empty at revision 1: its history starts at 2.
@@ -279,10 +281,12 @@ func (w *world) applySilently(ops ...op) int64 {
 		evs = append(evs, ev)
 		want = append(want, &mvccpb.Event{Type: ev.Type, Kv: proto.Clone(ev.Kv).(*mvccpb.KeyValue), PrevKv: clonePtr(prev)})
 	}
+	w.appliedMu.Lock()
+	w.applied[rev] = want
+	w.appliedMu.Unlock()
 	if _, err := w.store.Apply(rev, evs); err != nil {
 		w.t.Fatalf("apply %d: %v", rev, err)
 	}
-	w.applied[rev] = want
 	return rev
 }
 

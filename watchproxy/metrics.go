@@ -9,6 +9,8 @@ type Metrics struct {
 	watchers         prometheus.Gauge
 	eventsSent       prometheus.Counter
 	catchups         prometheus.Counter
+	catchupsRunning  prometheus.Gauge
+	catchupRestarts  *prometheus.CounterVec
 	compactedCancels prometheus.Counter
 	relayedStreams   prometheus.Counter
 }
@@ -32,16 +34,24 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "etcd_snapcache_watch_catchups_total",
 			Help: "Watchers caught up from etcd's history because they started before the cache's.",
 		}),
+		catchupsRunning: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "etcd_snapcache_watch_catchups_running",
+			Help: "Upstream watches open to catch watchers up from etcd's history (at most 8 at once; the rest wait).",
+		}),
+		catchupRestarts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "etcd_snapcache_watch_catchup_restarts_total",
+			Help: "Catch-up watches closed before the end and opened again from where they got to, by reason: stalled (the client did not read, and the catch-up gave its slot up) or broken (the upstream watch failed).",
+		}, []string{"reason"}),
 		compactedCancels: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "etcd_snapcache_watch_compacted_total",
-			Help: "Watchers canceled because etcd compacted their next revision.",
+			Help: "Watchers canceled because etcd compacted their next revision, or because the cache was found inconsistent.",
 		}),
 		relayedStreams: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "etcd_snapcache_watch_relayed_streams_total",
 			Help: "Watch streams relayed to etcd because they carry an auth token.",
 		}),
 	}
-	reg.MustRegister(m.streams, m.watchers, m.eventsSent, m.catchups, m.compactedCancels, m.relayedStreams)
+	reg.MustRegister(m.streams, m.watchers, m.eventsSent, m.catchups, m.catchupsRunning, m.catchupRestarts, m.compactedCancels, m.relayedStreams)
 	return m
 }
 
@@ -90,5 +100,17 @@ func (m *Metrics) compacted() {
 func (m *Metrics) caughtUp() {
 	if m != nil {
 		m.catchups.Inc()
+	}
+}
+
+func (m *Metrics) catchupRunning(delta int) {
+	if m != nil {
+		m.catchupsRunning.Add(float64(delta))
+	}
+}
+
+func (m *Metrics) catchupRestarted(reason string) {
+	if m != nil {
+		m.catchupRestarts.WithLabelValues(reason).Inc()
 	}
 }

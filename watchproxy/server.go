@@ -27,6 +27,13 @@ const defaultFragmentBytes = 1.5*1024*1024 + 512*1024
 // up from history the proxy does not hold; further watchers wait.
 const maxCatchups = 8
 
+// catchupStall bounds how long a catch-up holds its slot while its stream's
+// send loop does not take its events (a client that does not read): it
+// then closes its upstream watch and gives the slot up, so that stalled
+// clients cannot keep every other catch-up waiting, and goes on from where
+// it was once the client reads again.
+const catchupStall = time.Second
+
 // Follower is what the Watch service needs of the upstream follower
 // (progress.Follower).
 type Follower interface {
@@ -57,6 +64,15 @@ type Store interface {
 	EventsFrom(from, upTo int64, max int) ([]revtree.Batch, int64, error)
 }
 
+// heldEvents is a Store that also reads the events it still holds below its
+// compaction revision: EventsFrom without etcd's compaction check, failing
+// only with ErrNotRetained. Synced watchers read their events with it,
+// because etcd never cancels them for a compaction. With a Store that lacks
+// it, a synced watcher behind the compaction revision is canceled.
+type heldEvents interface {
+	EventsHeld(from, upTo int64, max int) ([]revtree.Batch, int64, error)
+}
+
 // Config configures a Server.
 type Config struct {
 	Store    Store
@@ -72,8 +88,9 @@ type Config struct {
 	// FragmentBytes is where etcd splits a fragmenting watcher's
 	// responses: its --max-request-bytes plus 512 KiB.
 	FragmentBytes int
-	// Inconsistent, if set, reports that new streams must be relayed to
-	// etcd: the consistency checker found the store inconsistent.
+	// Inconsistent, if set, reports that the consistency checker found the
+	// store inconsistent: new streams are relayed to etcd, and running
+	// ones end their watchers as compacted (stream.endInconsistent).
 	Inconsistent func() bool
 	// Authorize, if set, is etcd's permission check of a watch of
 	// [key, rangeEnd) by the stream's caller: a non-nil error refuses the
@@ -92,6 +109,7 @@ type Server struct {
 	pb.UnsafeWatchServer
 
 	store        Store
+	eventsHeld   func(from, upTo int64, max int) ([]revtree.Batch, int64, error) // for synced watchers
 	follower     Follower
 	upstream     pb.WatchClient
 	inconsistent func() bool
@@ -103,7 +121,8 @@ type Server struct {
 	lg           *zap.Logger
 	m            *Metrics
 
-	catchups chan struct{} // semaphore of upstream catch-up watches
+	catchups     chan struct{} // semaphore of upstream catch-up watches
+	catchupStall time.Duration // catchupStall; tests shorten it
 
 	closeOnce sync.Once
 	closing   chan struct{} // closed by Close: every stream ends
@@ -132,8 +151,13 @@ func New(cfg Config) *Server {
 	if cfg.Relay == nil {
 		cfg.Relay = hasToken
 	}
+	eventsHeld := cfg.Store.EventsFrom
+	if h, ok := cfg.Store.(heldEvents); ok {
+		eventsHeld = h.EventsHeld
+	}
 	return &Server{
 		store:        cfg.Store,
+		eventsHeld:   eventsHeld,
 		follower:     cfg.Follower,
 		upstream:     cfg.Upstream,
 		inconsistent: cfg.Inconsistent,
@@ -145,6 +169,7 @@ func New(cfg Config) *Server {
 		lg:           cfg.Logger,
 		m:            cfg.Metrics,
 		catchups:     make(chan struct{}, maxCatchups),
+		catchupStall: catchupStall,
 		closing:      make(chan struct{}),
 	}
 }

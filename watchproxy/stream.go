@@ -29,6 +29,15 @@ const maxRevisionsPerPass = 256
 
 var errNotReady = status.Error(codes.Unavailable, "etcd-snapcache: the cache is loading; retry")
 
+// errInconsistent ends a running stream once the consistency checker finds
+// the store inconsistent, after its watchers were canceled as compacted.
+var errInconsistent = status.Error(codes.Unavailable, "etcd-snapcache: the cache was found inconsistent with etcd; retry")
+
+// inconsistentPoll is how often a send loop with nothing else to do looks
+// at Config.Inconsistent, which has no channel to wait on. The fallback
+// also stops the feed and reloads the store, which wakes the loop too.
+const inconsistentPoll = 100 * time.Millisecond
+
 // ready is always closed: selecting on it never blocks.
 var ready = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
@@ -101,11 +110,16 @@ func (st *stream) run() error {
 	go st.recvLoop()
 	ticker := time.NewTicker(st.s.progressInterval())
 	defer ticker.Stop()
+	poll := time.NewTicker(inconsistentPoll)
+	defer poll.Stop()
 	for {
 		changed := st.s.follower.Changed()
 		var etcdTick <-chan struct{}
 		if st.s.followEtcd {
 			etcdTick = st.s.follower.PeriodicProgress()
+		}
+		if st.s.inconsistent() {
+			return st.endInconsistent()
 		}
 		more, err := st.deliver()
 		if err != nil {
@@ -134,6 +148,7 @@ func (st *stream) run() error {
 			err = st.periodicProgress()
 		case <-changed:
 		case <-proceed:
+		case <-poll.C:
 		case <-st.leaderLost:
 			err = rpctypes.ErrGRPCNoLeader
 		case <-st.s.closing:
@@ -247,6 +262,10 @@ func (st *stream) create(cr *pb.WatchCreateRequest) error {
 	if cr.StartRevision == 0 || cr.StartRevision > rev {
 		w.nextRev = max(rev+1, cr.StartRevision)
 	}
+	// etcd's synced watchers start at its head. A start between the
+	// store's head and a compaction mirrored above it is not one: etcd,
+	// whose head is past that compaction, would cancel it.
+	w.synced = cr.StartRevision == 0 || (cr.StartRevision > rev && cr.StartRevision >= st.s.store.CompactRev())
 	w.idle = true
 	st.watchers[id] = w
 	st.s.m.watchersAdded(1)
@@ -283,20 +302,93 @@ func (st *stream) cancelCompacted(w *watcher, compactRev int64) error {
 	return st.gs.Send(&pb.WatchResponse{Header: st.header(0), WatchId: w.id, CompactRevision: compactRev, Canceled: true})
 }
 
+// cancelFailed ends one watcher whose catch-up from etcd failed for good,
+// with a canceled response and the reason, as etcd ends a watch it will not
+// serve. The stream and its other watchers go on; the id is free again.
+func (st *stream) cancelFailed(w *watcher, reason string) error {
+	st.remove(w)
+	return st.gs.Send(&pb.WatchResponse{Header: st.header(st.s.store.Rev()), WatchId: w.id, Canceled: true, CancelReason: reason})
+}
+
+// endInconsistent ends the stream once the consistency checker has found
+// the store inconsistent: every watcher gets the compacted cancel, then
+// the stream ends with Unavailable.
+//
+// Why the compacted cancel: events already sent may have come from the
+// wrong cache, and only a relist repairs what a client built from them.
+// kube-apiserver relists on it (ErrCompacted is its 410 "too old
+// resourceVersion"), and clientv3 hands it to the caller as ErrCompacted,
+// whose documented answer is to read again and watch from there. A bare
+// Unavailable would be retried by clientv3 from each watcher's last
+// revision, silently keeping whatever the wrong cache sent. Then
+// Unavailable, so that no new watch of this stream is served from the
+// cache: clientv3 opens a new stream, which etcd serves while the
+// fallback lasts (Server.Watch relays it).
+//
+// compact_revision is the watcher's next revision (or etcd's compaction
+// revision, if higher): nonzero, as clients require, and a client that
+// watches again from it misses nothing.
+func (st *stream) endInconsistent() error {
+	n := 0
+	for _, w := range st.watchers {
+		if w.compacted {
+			continue
+		}
+		if err := st.cancelCompacted(w, max(w.nextRev, st.s.store.CompactRev())); err != nil {
+			return err
+		}
+		n++
+	}
+	st.s.lg.Warn("the cache was found inconsistent with etcd: ending a watch stream, its watchers canceled as compacted so that clients relist",
+		zap.Int("watchers", n))
+	return errInconsistent
+}
+
 // deliver sends every ready watcher its events from the history, up to the
 // store's revision or one pass's worth; more says a pass was cut short.
+//
+// Compaction is etcd's (syncWatchers, watcherGroup.chooseAll): an unsynced
+// watcher whose next revision is below the compaction revision is canceled;
+// a synced one never is, and reads on from the history while the store
+// holds it. A synced watcher is canceled only once its events are gone
+// (deliverEach), as etcd cancels a watcher that fell behind its channel.
 func (st *stream) deliver() (more bool, err error) {
 	rev := st.s.store.Rev()
+	compactRev := st.s.store.CompactRev()
 	from := int64(math.MaxInt64)
 	for _, w := range st.watchers {
-		if w.active() && w.nextRev <= rev {
+		if !w.active() {
+			continue
+		}
+		if !w.synced && w.nextRev < compactRev {
+			if err := st.cancelCompacted(w, compactRev); err != nil {
+				return false, err
+			}
+			continue
+		}
+		if w.nextRev <= rev {
 			from = min(from, w.nextRev)
 		}
 	}
-	if from == math.MaxInt64 {
-		return false, nil
+	if from != math.MaxInt64 {
+		if more, err = st.deliverFrom(from, rev); err != nil {
+			return false, err
+		}
 	}
-	batches, complete, err := st.s.store.EventsFrom(from, rev, maxRevisionsPerPass)
+	for _, w := range st.watchers {
+		if w.active() && w.nextRev > rev {
+			w.synced = true // sent everything up to the head
+		}
+	}
+	return more, nil
+}
+
+// deliverFrom sends the ready watchers their events from one read of the
+// history from their least next revision.
+func (st *stream) deliverFrom(from, rev int64) (more bool, err error) {
+	// Not EventsFrom: deliver canceled the unsynced watchers behind the
+	// compaction, and synced ones read below it.
+	batches, complete, err := st.s.eventsHeld(from, rev, maxRevisionsPerPass)
 	if err != nil {
 		// Some watcher is behind the history: settle each on its own.
 		return st.deliverEach(rev)
@@ -316,9 +408,11 @@ func (st *stream) deliverEach(rev int64) (more bool, err error) {
 		if !w.active() || w.nextRev > rev {
 			continue
 		}
-		batches, complete, err := st.s.store.EventsFrom(w.nextRev, rev, maxRevisionsPerPass)
+		batches, complete, err := st.s.eventsHeld(w.nextRev, rev, maxRevisionsPerPass)
 		switch {
-		case errors.Is(err, revtree.ErrCompacted):
+		case errors.Is(err, revtree.ErrCompacted),
+			errors.Is(err, revtree.ErrNotRetained) && w.nextRev < st.s.store.CompactRev():
+			// Gone from the store, and etcd compacted it.
 			err = st.cancelCompacted(w, st.s.store.CompactRev())
 		case errors.Is(err, revtree.ErrNotRetained):
 			st.startCatchup(w)

@@ -25,6 +25,13 @@ type watcher struct {
 
 	// idle is etcd's progress flag: no events sent since the last tick.
 	idle bool
+	// synced is etcd's synced group (mvcc/watchable_store.go): the watcher
+	// started at the head, or has since been sent everything up to the
+	// store's revision. etcd cancels only unsynced watchers for a
+	// compaction, so a synced one reads the events the store still holds
+	// even below the compaction revision: a compaction mirrored above the
+	// head leaves the revisions up to it still to come.
+	synced bool
 	// catchingUp is set while etcd's history is relayed to the watcher.
 	catchingUp    bool
 	cancelCatchup func()
