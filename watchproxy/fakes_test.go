@@ -42,6 +42,8 @@ type fakeFollower struct {
 	// waitFresh replaces WaitFresh when set; freshCalls counts the calls.
 	waitFresh  func(ctx context.Context) (int64, error)
 	freshCalls int
+	epoch      uint64
+	epochMoved chan struct{} // closed when epoch moves
 }
 
 func newFakeFollower(store *revtree.Store) *fakeFollower {
@@ -87,6 +89,23 @@ func (f *fakeFollower) FillHeader(h *pb.ResponseHeader) {
 func (f *fakeFollower) LeaderLost() (bool, <-chan struct{}) { return false, nil }
 
 func (f *fakeFollower) PeriodicProgress() <-chan struct{} { return nil }
+
+func (f *fakeFollower) Epoch() (uint64, <-chan struct{}) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.epoch, f.epochMoved
+}
+
+// changeEpoch moves the epoch, as a restore of etcd does.
+func (f *fakeFollower) changeEpoch() {
+	f.mu.Lock()
+	f.epoch++
+	if f.epochMoved != nil {
+		close(f.epochMoved)
+	}
+	f.epochMoved = make(chan struct{})
+	f.mu.Unlock()
+}
 
 // fakeStream is a client's watch stream: the test sends requests through
 // reqs and reads responses from out. Send can be made to block until

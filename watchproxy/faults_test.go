@@ -324,3 +324,30 @@ func TestWatchInconsistentEndsRunningStreams(t *testing.T) {
 		t.Fatal("the relayed stream did not end")
 	}
 }
+
+// TestWatchTimelineChangeEndsStreams: when etcd's history changes under the
+// store (a restore, another cluster), every running watcher gets the
+// compacted cancel, so that clients relist, and the stream ends with
+// Unavailable, as when the cache is found inconsistent.
+func TestWatchTimelineChangeEndsStreams(t *testing.T) {
+	w := newWorldAt(t, 1, newFakeUpstream(), nil)
+	fs := newFakeStream()
+	defer fs.cancel()
+	done := make(chan error, 1)
+	go func() { done <- w.srv.Watch(fs) }()
+	checkCreated(t, fs.create(t, &pb.WatchCreateRequest{Key: []byte("k")}), 0, 1)
+	w.apply(put("k", "v")) // 2
+	if got := revs(fs.eventsOf(t, 0, 2)); !slices.Equal(got, []int64{2}) {
+		t.Fatalf("got revisions %v, want [2]", got)
+	}
+	w.follower.changeEpoch()
+	checkCompactCancel(t, fs.next(t), 0, 3)
+	select {
+	case err := <-done:
+		if status.Code(err) != codes.Unavailable {
+			t.Fatalf("the stream ended with %v, want Unavailable", err)
+		}
+	case <-time.After(waitTimeout):
+		t.Fatal("the stream did not end")
+	}
+}

@@ -53,6 +53,10 @@ type Follower interface {
 	// PeriodicProgress returns a channel closed at etcd's next periodic
 	// progress notification.
 	PeriodicProgress() <-chan struct{}
+	// Epoch returns the epoch of etcd's history the store follows, and a
+	// channel closed when it moves: etcd was restored or replaced, and
+	// every watch of an older epoch must end.
+	Epoch() (uint64, <-chan struct{})
 }
 
 // Store is what the Watch service reads of the cache's event history
@@ -90,7 +94,7 @@ type Config struct {
 	FragmentBytes int
 	// Inconsistent, if set, reports that the consistency checker found the
 	// store inconsistent: new streams are relayed to etcd, and running
-	// ones end their watchers as compacted (stream.endInconsistent).
+	// ones end their watchers as compacted (stream.endRelist).
 	Inconsistent func() bool
 	// Authorize, if set, is etcd's permission check of a watch of
 	// [key, rangeEnd) by the stream's caller: a non-nil error refuses the

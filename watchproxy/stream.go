@@ -33,6 +33,10 @@ var errNotReady = status.Error(codes.Unavailable, "etcd-snapcache: the cache is 
 // the store inconsistent, after its watchers were canceled as compacted.
 var errInconsistent = status.Error(codes.Unavailable, "etcd-snapcache: the cache was found inconsistent with etcd; retry")
 
+// errTimeline ends a stream whose watchers followed a history etcd no
+// longer has.
+var errTimeline = status.Error(codes.Unavailable, "etcd-snapcache: etcd's history changed (restored or replaced); retry")
+
 // inconsistentPoll is how often a send loop with nothing else to do looks
 // at Config.Inconsistent, which has no channel to wait on. The fallback
 // also stops the feed and reloads the store, which wakes the loop too.
@@ -48,6 +52,7 @@ var ready = func() chan struct{} { c := make(chan struct{}); close(c); return c 
 // happen once the handler returns. Every other goroutine (freshness checks,
 // catch-ups) is counted in wg, and close waits for them.
 type stream struct {
+	epoch      uint64 // of etcd's history when the stream began (Follower.Epoch)
 	s          *Server
 	gs         pb.Watch_WatchServer
 	ctx        context.Context // canceled when run returns
@@ -88,7 +93,9 @@ type freshResult struct {
 
 func newStream(s *Server, gs pb.Watch_WatchServer, leaderLost <-chan struct{}) *stream {
 	ctx, cancel := context.WithCancel(gs.Context())
+	epoch, _ := s.follower.Epoch()
 	return &stream{
+		epoch:      epoch,
 		s:          s,
 		gs:         gs,
 		ctx:        ctx,
@@ -119,7 +126,11 @@ func (st *stream) run() error {
 			etcdTick = st.s.follower.PeriodicProgress()
 		}
 		if st.s.inconsistent() {
-			return st.endInconsistent()
+			return st.endRelist("the cache was found inconsistent with etcd", errInconsistent)
+		}
+		epoch, epochMoved := st.s.follower.Epoch()
+		if epoch != st.epoch {
+			return st.endRelist("etcd's history changed (restored from a snapshot, or another cluster)", errTimeline)
 		}
 		more, err := st.deliver()
 		if err != nil {
@@ -147,6 +158,7 @@ func (st *stream) run() error {
 			ticker.Reset(st.s.progressInterval())
 			err = st.periodicProgress()
 		case <-changed:
+		case <-epochMoved:
 		case <-proceed:
 		case <-poll.C:
 		case <-st.leaderLost:
@@ -310,9 +322,10 @@ func (st *stream) cancelFailed(w *watcher, reason string) error {
 	return st.gs.Send(&pb.WatchResponse{Header: st.header(st.s.store.Rev()), WatchId: w.id, Canceled: true, CancelReason: reason})
 }
 
-// endInconsistent ends the stream once the consistency checker has found
-// the store inconsistent: every watcher gets the compacted cancel, then
-// the stream ends with Unavailable.
+// endRelist ends the stream once the events it sent cannot be trusted:
+// the consistency checker found the store inconsistent, or etcd's history
+// changed under it (a restore, another cluster). Every watcher gets the
+// compacted cancel, then the stream ends with err, an Unavailable.
 //
 // Why the compacted cancel: events already sent may have come from the
 // wrong cache, and only a relist repairs what a client built from them.
@@ -328,7 +341,7 @@ func (st *stream) cancelFailed(w *watcher, reason string) error {
 // compact_revision is the watcher's next revision (or etcd's compaction
 // revision, if higher): nonzero, as clients require, and a client that
 // watches again from it misses nothing.
-func (st *stream) endInconsistent() error {
+func (st *stream) endRelist(why string, err error) error {
 	n := 0
 	for _, w := range st.watchers {
 		if w.compacted {
@@ -339,9 +352,9 @@ func (st *stream) endInconsistent() error {
 		}
 		n++
 	}
-	st.s.lg.Warn("the cache was found inconsistent with etcd: ending a watch stream, its watchers canceled as compacted so that clients relist",
+	st.s.lg.Warn(why+": ending a watch stream, its watchers canceled as compacted so that clients relist",
 		zap.Int("watchers", n))
-	return errInconsistent
+	return err
 }
 
 // deliver sends every ready watcher its events from the history, up to the
