@@ -84,6 +84,14 @@ func (m *Metrics) bindStore(s *revtree.Store) {
 			func() float64 { return float64(s.Snapshots()) }),
 		gauge("etcd_snapcache_cache_bytes", "Estimated memory of the cache: the keyspace plus what each retained revision adds.",
 			func() float64 { return float64(s.ApproxBytes()) }),
+		gauge("etcd_snapcache_history_bytes", "Estimated memory of retained history on top of the live keyspace: past revisions' snapshots and events, and the flattened-range cache; bounded by --max-history-bytes.",
+			func() float64 { return float64(s.HistoryBytes()) }),
+		gauge("etcd_snapcache_max_history_bytes", "The history budget, --max-history-bytes (0: unbounded).",
+			func() float64 { return float64(s.MaxHistoryBytes()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "etcd_snapcache_history_trimmed_revisions_total",
+			Help: "Retained revisions dropped, oldest first, to keep history within --max-history-bytes; reads below them go to etcd.",
+		}, func() float64 { return float64(s.HistoryTrimmed()) }),
 	)
 }
 

@@ -34,13 +34,35 @@
 // the floor of 6: snapshots 4 and 5 go, 6 stays because a read at exactly the
 // compaction revision is still valid in etcd. A read at 5 is then ErrCompacted.
 //
+// # Memory
+//
+// The store counts its memory per applied revision, with a deterministic
+// estimate of each object it keeps (memory.go): the live keyspace (its
+// KeyValues and tree) and, on top of it, history: per retained revision
+// its snapshot, the tree nodes its writes copied, its events and the
+// KeyValues it displaced, plus the flattened-range cache (flat.go).
+// TestMemoryEstimate checks the estimate against runtime.MemStats.
+//
+// SetMaxHistoryBytes bounds history. Past the bound, Apply drops the oldest
+// snapshots, as Compact does, but leaves the compaction revision alone:
+// etcd still has those revisions, so a read below the new oldest snapshot
+// gets ErrNotRetained (the caller asks etcd) and EventsFrom below the new
+// history start too (the caller catches up from etcd). The newest snapshot
+// always stays. The flattened-range cache takes at most half the budget,
+// and never keeps a dropped snapshot's tree alive.
+//
+// Unload drops the keyspace and the history before a reload reads the
+// keyspace again, so that a reload never holds two stores.
+//
 // # Concurrency
 //
-// Every method is safe for concurrent use. Apply and Reset change latest
-// and are serialised by a write lock, so they apply whole revisions one at a
-// time. Advance and Compact change only the published state (the store's
-// revision, the compaction revision, the snapshot index) under the store's
-// lock, so the follower, the compaction probe and forwarded Compact calls
-// may call them concurrently with Apply. Range, View and the accessors only
-// ever touch published, immutable snapshots.
+// Every method is safe for concurrent use. Apply, Reset and Unload change
+// latest and are serialised by a write lock, so they apply whole revisions
+// one at a time. Advance, Compact and SetMaxHistoryBytes change only the
+// published state (the store's revision, the compaction revision, the
+// snapshot index) under the store's lock, so the follower, the compaction
+// probe and forwarded Compact calls may call them concurrently with Apply.
+// Range, View and the accessors only ever touch published, immutable
+// snapshots; a Range that flattens a range takes the cache's own lock, and
+// then the store's to keep history within the budget.
 package revtree

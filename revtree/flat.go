@@ -4,17 +4,17 @@ import (
 	"bytes"
 	"sort"
 	"sync"
-
-	"github.com/google/btree"
+	"unsafe"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 )
 
 // Bounds of the flattened-range cache. A kube-apiserver LIST reads one range
-// at one revision in pages; a handful of LISTs run at once.
+// at one revision in pages; a handful of LISTs run at once. With a history
+// budget, the cache counts in it and takes at most half of it.
 const (
 	maxFlatRanges = 8
-	maxFlatItems  = 1 << 21 // pointers held by all entries: 16 MiB
+	maxFlatBytes  = 16 << 20 // 2 Mi pointers
 )
 
 // flatRanges caches key-ordered slices of ranges of snapshots. The pages of
@@ -24,27 +24,49 @@ const (
 // per page, which makes a LIST quadratic in etcd.
 //
 // Entries are immutable once cached: a snapshot never changes, and neither
-// do its KeyValues.
+// do its KeyValues. An entry never outlives its snapshot in the store: it
+// would keep a tree alive that history no longer counts. The KeyValues an
+// entry points to are its snapshot's, so an entry costs its slice of
+// pointers (flatRange.bytes), which the history budget counts.
+//
+// Which snapshots are still the store's: those of the store's current
+// generation (a Reset or Unload starts a new one) from revision floor on,
+// since compaction and the budget drop the oldest first.
 type flatRanges struct {
-	mu      sync.Mutex
+	// onGrow is called, without mu, after an entry was added; set once by
+	// New (the store enforces its budget).
+	onGrow func()
+
+	mu sync.Mutex
+	// Guarded by mu.
 	entries []*flatRange // least recently used first
-	items   int
+	bytes   int64        // of the entries
+	limit   int64        // most bytes the entries may hold
+	gen     uint64       // the store's generation
+	floor   int64        // the store's oldest snapshot in it
 }
 
 type flatRange struct {
-	tree  *btree.BTreeG[*mvccpb.KeyValue] // the snapshot
-	start []byte                          // first key the slice may hold
-	end   []byte                          // exclusive; empty means unbounded
+	snap  *snapshot // whose tree the slice flattens
+	gen   uint64    // the store's generation when the snapshot was read
+	start []byte    // first key the slice may hold
+	end   []byte    // exclusive; empty means unbounded
 	kvs   []*mvccpb.KeyValue
+	bytes int64 // estimated memory of the entry
 }
 
-// get returns the cached slice of [start, end) of tree that covers key on,
+func newFlatRange(snap *snapshot, gen uint64, start, end []byte, kvs []*mvccpb.KeyValue) *flatRange {
+	return &flatRange{snap: snap, gen: gen, start: start, end: end, kvs: kvs,
+		bytes: sizeClass(int64(8*cap(kvs))) + sizeClass(int64(unsafe.Sizeof(flatRange{}))) + bytesAlloc(len(start)) + bytesAlloc(len(end))}
+}
+
+// get returns the cached slice of [start, end) of snap that covers key on,
 // if any.
-func (f *flatRanges) get(tree *btree.BTreeG[*mvccpb.KeyValue], key, end []byte) *flatRange {
+func (f *flatRanges) get(snap *snapshot, key, end []byte) *flatRange {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	for i, e := range f.entries {
-		if e.tree == tree && bytes.Equal(e.end, end) && bytes.Compare(e.start, key) <= 0 {
+		if e.snap == snap && bytes.Equal(e.end, end) && bytes.Compare(e.start, key) <= 0 {
 			f.entries = append(append(f.entries[:i:i], f.entries[i+1:]...), e)
 			return e
 		}
@@ -52,19 +74,67 @@ func (f *flatRanges) get(tree *btree.BTreeG[*mvccpb.KeyValue], key, end []byte) 
 	return nil
 }
 
+// put caches e, unless its snapshot was dropped meanwhile, and evicts the
+// least recently used entries past the bounds.
 func (f *flatRanges) put(e *flatRange) {
-	if len(e.kvs) > maxFlatItems {
+	f.mu.Lock()
+	if e.bytes > f.limit || f.droppedLocked(e) {
+		f.mu.Unlock()
 		return
 	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
 	f.entries = append(f.entries, e)
-	f.items += len(e.kvs)
-	for len(f.entries) > maxFlatRanges || f.items > maxFlatItems {
-		f.items -= len(f.entries[0].kvs)
+	f.bytes += e.bytes
+	f.evictLocked()
+	f.mu.Unlock()
+	if f.onGrow != nil {
+		f.onGrow()
+	}
+}
+
+func (f *flatRanges) evictLocked() {
+	for len(f.entries) > maxFlatRanges || f.bytes > f.limit {
+		f.bytes -= f.entries[0].bytes
 		f.entries[0] = nil
 		f.entries = f.entries[1:]
 	}
+}
+
+// setLimit bounds the entries' bytes.
+func (f *flatRanges) setLimit(limit int64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.limit = limit
+	f.evictLocked()
+}
+
+// droppedLocked reports whether e's snapshot is no longer the store's.
+func (f *flatRanges) droppedLocked(e *flatRange) bool {
+	return e.gen != f.gen || e.snap.rev < f.floor
+}
+
+// dropBelow records that the store's snapshots are those of generation
+// gen from revision floor on, and drops the entries of the others.
+func (f *flatRanges) dropBelow(gen uint64, floor int64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.gen, f.floor = gen, floor
+	kept := f.entries[:0]
+	for _, e := range f.entries {
+		if f.droppedLocked(e) {
+			f.bytes -= e.bytes
+			continue
+		}
+		kept = append(kept, e)
+	}
+	clear(f.entries[len(kept):])
+	f.entries = kept
+}
+
+// size returns the entries' bytes.
+func (f *flatRanges) size() int64 {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.bytes
 }
 
 // page returns up to limit key-values of the entry from key on, and how

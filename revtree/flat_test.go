@@ -70,8 +70,8 @@ func TestFlatRangesPaginate(t *testing.T) {
 	}
 	s.flat.mu.Lock()
 	defer s.flat.mu.Unlock()
-	if len(s.flat.entries) > maxFlatRanges || s.flat.items > maxFlatItems {
-		t.Fatalf("cache holds %d ranges, %d items", len(s.flat.entries), s.flat.items)
+	if len(s.flat.entries) > maxFlatRanges || s.flat.bytes > s.flat.limit {
+		t.Fatalf("cache holds %d ranges, %d bytes", len(s.flat.entries), s.flat.bytes)
 	}
 	for _, e := range s.flat.entries {
 		for _, kv := range e.kvs {

@@ -137,12 +137,12 @@ func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, in
 	if limit > 0 && v.flat != nil {
 		// A page: serve it from a flattened range if a previous page
 		// made one, else make one if this range has more pages.
-		if e := v.flat.get(v.kvs, key, end); e != nil {
+		if e := v.flat.get(v.snap, key, end); e != nil {
 			return e.page(key, limit)
 		}
 		all := v.scan(key, end, 0)
 		if int64(len(all)) > limit {
-			e := &flatRange{tree: v.kvs, start: key, end: end, kvs: all}
+			e := newFlatRange(v.snap, v.gen, key, end, all)
 			v.flat.put(e)
 			return e.page(key, limit)
 		}

@@ -16,6 +16,12 @@ import (
 // revision but make deeper trees and slower scans; see docs/architecture.md.
 const DefaultDegree = 8
 
+// DefaultMaxHistoryBytes is the default history budget (--max-history-bytes):
+// 256 MiB, about 135,000 revisions of single-key writes over 100,000 keys
+// at degree 8 (2 KB each, measured by make bench-e2e). See docs/architecture.md for why a 2-core, 4 GiB node
+// survives it.
+const DefaultMaxHistoryBytes = 256 << 20
+
 var (
 	// ErrCompacted is returned for a revision below the compaction revision.
 	ErrCompacted = errors.New("mvcc: required revision has been compacted")
@@ -33,24 +39,38 @@ var (
 
 // Store is an MVCC key-value store with one snapshot per retained revision.
 // The zero value is not usable; call New.
+//
+// Lock order: writeMu, then mu, then flat.mu.
 type Store struct {
 	degree int
+	shape  shape // the memory estimate of the key trees
 
-	// writeMu serialises writers; latest is touched only under it.
+	// writeMu serialises writers.
 	writeMu sync.Mutex
-	latest  *btree.BTreeG[*mvccpb.KeyValue]
+	// Guarded by writeMu.
+	latest *btree.BTreeG[*mvccpb.KeyValue]
 
-	// mu guards the published state below.
-	mu         sync.RWMutex
+	mu sync.RWMutex
+	// Guarded by mu: the published state.
 	snapshots  *btree.BTreeG[*snapshot] // ordered by rev
 	rev        int64                    // store is complete up to rev
 	compactRev int64
 	loaded     bool
-	// liveBytes estimates the keyspace at the newest snapshot;
-	// historyBytes what the retained snapshots add to it.
+	// liveBytes estimates the KeyValues of the newest snapshot, liveKeys
+	// counts them; historyBytes is the sum of the retained snapshots'
+	// bytes: what history adds to the live keyspace (see memory.go).
 	liveBytes, historyBytes int64
+	liveKeys                int
+	// maxHistoryBytes bounds historyBytes plus the flattened ranges'
+	// bytes (0: no bound); trimmed counts the snapshots dropped to keep
+	// within it.
+	maxHistoryBytes int64
+	trimmed         int64
+	// gen counts the Resets and Unloads: a View's generation tells the
+	// flattened-range cache whether its snapshot can still be the store's.
+	gen uint64
 
-	flat flatRanges // pages of recent paginated reads
+	flat flatRanges // pages of recent paginated reads; its own lock
 }
 
 // snapshot is the keyspace as of rev, and the events that produced it.
@@ -59,25 +79,6 @@ type snapshot struct {
 	kvs    *btree.BTreeG[*mvccpb.KeyValue]
 	events []*mvccpb.Event // nil for the snapshot of a load
 	bytes  int64           // estimated memory this revision added
-}
-
-// kvOverhead estimates a KeyValue's memory beyond its key and value bytes:
-// the struct and its protobuf state.
-const kvOverhead = 128
-
-func kvBytes(kv *mvccpb.KeyValue) int64 {
-	return int64(len(kv.Key)+len(kv.Value)) + kvOverhead
-}
-
-// pathBytes estimates the nodes a write copies in a tree of n items: one
-// root-to-leaf path of nodes of items and child pointers.
-func pathBytes(n, degree int) int64 {
-	depth := 1
-	for c := 2 * degree; c < n; c *= degree {
-		depth++
-	}
-	node := int64((2*degree-1)*8 + 2*degree*8 + 64)
-	return int64(depth) * node
 }
 
 func kvLess(a, b *mvccpb.KeyValue) bool { return bytes.Compare(a.Key, b.Key) < 0 }
@@ -90,11 +91,65 @@ func New(degree int) *Store {
 	if degree < 2 {
 		degree = DefaultDegree
 	}
-	return &Store{
+	s := &Store{
 		degree:    degree,
+		shape:     newShape(degree),
 		latest:    btree.NewG(degree, kvLess),
 		snapshots: btree.NewG(32, snapshotLess),
 	}
+	s.flat.limit = maxFlatBytes
+	s.flat.onGrow = s.enforceBudget
+	return s
+}
+
+// SetMaxHistoryBytes bounds the memory retained history may use on top of
+// the live keyspace: the snapshots of past revisions, their events, and
+// the flattened-range cache (which may take up to half of it). When the
+// bound is passed, the oldest snapshots are dropped, as Compact drops
+// them, but the compaction revision stays: reads below the new oldest
+// snapshot get ErrNotRetained (etcd still answers them), and EventsFrom
+// below the new history start too. The newest snapshot always stays.
+// max <= 0 removes the bound.
+func (s *Store) SetMaxHistoryBytes(max int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.maxHistoryBytes = 0
+	limit := int64(maxFlatBytes)
+	if max > 0 {
+		s.maxHistoryBytes = max
+		limit = min(limit, max/2)
+	}
+	s.flat.setLimit(limit)
+	s.trimLocked()
+}
+
+// enforceBudget drops the oldest snapshots while history is over the
+// budget.
+func (s *Store) enforceBudget() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.trimLocked()
+}
+
+// trimLocked drops the oldest snapshots, never the newest, while history
+// and the flattened ranges use more than maxHistoryBytes.
+func (s *Store) trimLocked() {
+	if s.maxHistoryBytes <= 0 {
+		return
+	}
+	for s.snapshots.Len() > 1 && s.historyBytes+s.flat.size() > s.maxHistoryBytes {
+		s.dropOldestLocked()
+		s.trimmed++
+	}
+}
+
+// dropOldestLocked drops the oldest snapshot, and the flattened ranges of
+// it.
+func (s *Store) dropOldestLocked() {
+	oldest, _ := s.snapshots.DeleteMin()
+	s.historyBytes -= oldest.bytes
+	next, _ := s.snapshots.Min()
+	s.flat.dropBelow(s.gen, next.rev)
 }
 
 // Reset replaces the whole store with kvs as the keyspace at rev, discarding
@@ -119,7 +174,27 @@ func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
 	s.rev = rev
 	s.compactRev = max(s.compactRev, compactRev)
 	s.loaded = true
-	s.liveBytes, s.historyBytes = live, 0
+	s.liveBytes, s.historyBytes, s.liveKeys = live, 0, latest.Len()
+	s.gen++
+	s.flat.dropBelow(s.gen, rev)
+}
+
+// Unload discards the keyspace and every snapshot, and keeps the revision
+// and the compaction revision: reads get ErrNotLoaded until the next
+// Reset. A reload calls it before it reads the keyspace again, so that the
+// old store, history included, is garbage before the new one is built,
+// and a reload never needs the memory of two stores.
+func (s *Store) Unload() {
+	s.writeMu.Lock()
+	defer s.writeMu.Unlock()
+	s.latest = btree.NewG(s.degree, kvLess)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.snapshots = btree.NewG(32, snapshotLess)
+	s.loaded = false
+	s.liveBytes, s.historyBytes, s.liveKeys = 0, 0, 0
+	s.gen++
+	s.flat.dropBelow(s.gen, 0)
 }
 
 // Apply applies the events of exactly one revision, rev, which must be
@@ -134,22 +209,25 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 	if err := s.checkEvents(rev, events); err != nil {
 		return nil, err
 	}
-	var live, added int64
+	// What this revision adds to history (memory.go): its snapshot, the
+	// nodes its writes copy, its events, and the KeyValues it displaces.
+	live, added := int64(0), snapshotOverhead+s.shape.copied(s.latest.Len(), len(events))
 	for _, ev := range events {
 		prev, _ := s.latest.Get(ev.Kv)
 		ev.PrevKv = prev
+		added += eventBytes
 		if prev != nil {
 			live -= kvBytes(prev)
+			added += kvBytes(prev)
 		}
 		switch ev.Type {
 		case mvccpb.PUT:
 			s.latest.ReplaceOrInsert(ev.Kv)
 			live += kvBytes(ev.Kv)
-			added += kvBytes(ev.Kv)
 		case mvccpb.DELETE:
 			s.latest.Delete(ev.Kv)
+			added += kvBytes(ev.Kv) // the tombstone
 		}
-		added += pathBytes(s.latest.Len(), s.degree) + 64 // the event
 	}
 	snap := &snapshot{rev: rev, kvs: s.latest.Clone(), events: events, bytes: added}
 
@@ -158,7 +236,9 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 	s.snapshots.ReplaceOrInsert(snap)
 	s.rev = rev
 	s.liveBytes += live
+	s.liveKeys = s.latest.Len()
 	s.historyBytes += added
+	s.trimLocked()
 	return events, nil
 }
 
@@ -244,8 +324,7 @@ func (s *Store) Compact(rev int64) {
 		if !ok || oldest.rev >= floor.rev {
 			return
 		}
-		s.snapshots.DeleteMin()
-		s.historyBytes -= oldest.bytes
+		s.dropOldestLocked()
 	}
 }
 
@@ -293,12 +372,36 @@ func (s *Store) OldestRev() int64 {
 }
 
 // ApproxBytes estimates the memory of the store: the keyspace at its newest
-// revision plus what each retained revision adds (its new KeyValues, the
-// tree nodes its write copied, its events).
+// revision (its KeyValues and tree) plus HistoryBytes.
 func (s *Store) ApproxBytes() int64 {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return s.liveBytes + s.historyBytes
+	return s.liveBytes + s.shape.tree(s.liveKeys) + s.historyBytes + s.flat.size()
+}
+
+// HistoryBytes estimates the memory retained history uses on top of the
+// live keyspace: what each retained revision adds (its snapshot, the tree
+// nodes its writes copied, its events, the KeyValues it displaced) and the
+// flattened-range cache. SetMaxHistoryBytes bounds it.
+func (s *Store) HistoryBytes() int64 {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.historyBytes + s.flat.size()
+}
+
+// MaxHistoryBytes is the bound on HistoryBytes; 0 if none.
+func (s *Store) MaxHistoryBytes() int64 {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.maxHistoryBytes
+}
+
+// HistoryTrimmed counts the snapshots dropped to keep history within
+// MaxHistoryBytes.
+func (s *Store) HistoryTrimmed() int64 {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.trimmed
 }
 
 // Snapshots returns the number of retained snapshots.
@@ -315,6 +418,8 @@ type View struct {
 	// StoreRev is the store's revision when the view was taken: what etcd
 	// puts in a response header.
 	StoreRev int64
+	snap     *snapshot
+	gen      uint64 // the store's generation when the view was taken
 	kvs      *btree.BTreeG[*mvccpb.KeyValue]
 	flat     *flatRanges
 }
@@ -342,7 +447,7 @@ func (s *Store) View(rev int64) (View, error) {
 	if floor == nil {
 		return View{}, ErrNotRetained
 	}
-	return View{Rev: rev, StoreRev: s.rev, kvs: floor.kvs, flat: &s.flat}, nil
+	return View{Rev: rev, StoreRev: s.rev, snap: floor, gen: s.gen, kvs: floor.kvs, flat: &s.flat}, nil
 }
 
 // Get returns the key-value of key in the view, if it exists.

@@ -17,6 +17,11 @@ func (s *Store) CorruptForTest(kv *mvccpb.KeyValue) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if newest, ok := s.snapshots.Max(); ok {
-		s.snapshots.ReplaceOrInsert(&snapshot{rev: newest.rev, kvs: s.latest.Clone(), events: newest.events})
+		s.snapshots.ReplaceOrInsert(&snapshot{rev: newest.rev, kvs: s.latest.Clone(), events: newest.events, bytes: newest.bytes})
+		// The replaced snapshot's flattened ranges would never be hit
+		// again: drop every range.
+		s.gen++
+		oldest, _ := s.snapshots.Min()
+		s.flat.dropBelow(s.gen, oldest.rev)
 	}
 }

@@ -24,7 +24,10 @@ type EmbeddedConfig struct {
 	MaxRequestBytes uint
 	// AuthToken is etcd's --auth-token (simple if empty).
 	AuthToken string
-	Logger    *zap.Logger
+	// UnsafeNoFsync is etcd's --unsafe-no-fsync: no fsync of the WAL and
+	// the backend; tests that write many revisions only.
+	UnsafeNoFsync bool
+	Logger        *zap.Logger
 }
 
 // StartEmbedded starts a single-member etcd in this process and waits until
@@ -62,6 +65,7 @@ func StartEmbedded(cfg EmbeddedConfig) (*embed.Etcd, error) {
 	if cfg.AuthToken != "" {
 		ec.AuthToken = cfg.AuthToken
 	}
+	ec.UnsafeNoFsync = cfg.UnsafeNoFsync
 	ec.LogLevel = "error"
 	// Without a logger of the caller's (tests), etcd stays quiet: it logs
 	// every listener it closes at shutdown as an error.

@@ -9,6 +9,7 @@ import (
 	"go.uber.org/goleak"
 	"go.uber.org/zap"
 
+	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
 
@@ -64,6 +65,7 @@ func TestServeRejectsBadFlags(t *testing.T) {
 		{append(ep, "--resolver-ttl", "10"), "--resolver-prefix"},
 		{append(ep, "--namespace", "/tenant/"), "--namespace"},
 		{append(ep, "--experimental-leasing-prefix", "/lease/"), "--experimental-leasing-prefix"},
+		{append(ep, "--max-history-bytes", "-1"), "--max-history-bytes"},
 	} {
 		_, err := run(tc.args...)
 		if err == nil {
@@ -95,5 +97,33 @@ func TestServeTakesEtcdE2EProxyFlags(t *testing.T) {
 	}
 	if !cfg.ForwardMemberList || len(cfg.AdvertiseClientURLs) != 0 {
 		t.Fatalf("--advertise-client-url '': ForwardMemberList %v, URLs %q", cfg.ForwardMemberList, cfg.AdvertiseClientURLs)
+	}
+}
+
+// TestServeMaxHistoryBytes: --max-history-bytes reaches the server as a
+// byte count; not given, the default; 0, unbounded (the server's negative).
+func TestServeMaxHistoryBytes(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want int64
+	}{
+		{nil, revtree.DefaultMaxHistoryBytes},
+		{[]string{"--max-history-bytes", "1048576"}, 1 << 20},
+		{[]string{"--max-history-bytes=0"}, -1},
+	} {
+		app := newApp()
+		var cfg server.Config
+		var cfgErr error
+		app.Commands[0].Action = func(c *cli.Context) error {
+			cfg, cfgErr = serverConfig(c, zap.NewNop())
+			return nil
+		}
+		args := append([]string{"etcd-snapcache", "serve", "--endpoints", "http://127.0.0.1:2379"}, tc.args...)
+		if err := app.Run(args); err != nil || cfgErr != nil {
+			t.Fatalf("%v: %v, %v", tc.args, err, cfgErr)
+		}
+		if cfg.MaxHistoryBytes != tc.want {
+			t.Errorf("%v: MaxHistoryBytes %d, want %d", tc.args, cfg.MaxHistoryBytes, tc.want)
+		}
 	}
 }

@@ -1,0 +1,268 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"go.uber.org/zap"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
+	"github.com/etcd-snapcache/etcd-snapcache/server"
+)
+
+// Every goroutine a benchmark starts, the in-process proxy's included,
+// must be gone when it ends.
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// startTimeout bounds the wait for etcd to serve, and stopTimeout for it to
+// exit after SIGTERM.
+const (
+	startTimeout = time.Minute
+	stopTimeout  = 15 * time.Second
+)
+
+// etcdBinary is $ETCD_BIN, else the etcd that tools/build.sh builds.
+func etcdBinary(tb testing.TB) string {
+	tb.Helper()
+	p := os.Getenv("ETCD_BIN")
+	if p == "" {
+		p = "../../.tools/bin/etcd"
+	}
+	abs, err := filepath.Abs(p)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if st, err := os.Stat(abs); err != nil || st.IsDir() || st.Mode()&0o111 == 0 {
+		tb.Fatalf("no etcd binary at %s: build it with `make tools-etcd` (tools/build.sh etcd), or set $ETCD_BIN", abs)
+	}
+	return abs
+}
+
+// etcdProcess is a single-member etcd run as a separate process.
+type etcdProcess struct {
+	cmd      *exec.Cmd
+	endpoint string // http://127.0.0.1:port
+	logPath  string
+	done     chan struct{} // closed once the process has exited
+}
+
+// startEtcd starts etcd with its data in a temporary directory and waits
+// until it answers; it is stopped when the benchmark ends. Without fsync:
+// the benchmarks measure the proxy, not the disk.
+func startEtcd(tb testing.TB, extra ...string) *etcdProcess {
+	tb.Helper()
+	ports := testsupport.FreePorts(tb, 2)
+	client := fmt.Sprintf("http://127.0.0.1:%d", ports[0])
+	peer := fmt.Sprintf("http://127.0.0.1:%d", ports[1])
+	dir := tb.TempDir()
+	args := append([]string{
+		"--name=bench",
+		"--data-dir=" + filepath.Join(dir, "data"),
+		"--listen-client-urls=" + client, "--advertise-client-urls=" + client,
+		"--listen-peer-urls=" + peer, "--initial-advertise-peer-urls=" + peer,
+		"--initial-cluster=bench=" + peer,
+		"--unsafe-no-fsync",
+		"--quota-backend-bytes=8589934592",
+		"--log-level=warn",
+	}, extra...)
+	logPath := filepath.Join(dir, "etcd.log")
+	logf, err := os.Create(logPath)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	cmd := exec.Command(etcdBinary(tb), args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		tb.Fatalf("starting etcd: %v", err)
+	}
+	e := &etcdProcess{cmd: cmd, endpoint: client, logPath: logPath, done: make(chan struct{})}
+	go func() {
+		cmd.Wait()
+		logf.Close()
+		close(e.done)
+	}()
+	tb.Cleanup(func() { e.stop(tb) })
+	cli := newClient(tb, client)
+	testsupport.Poll(tb, startTimeout, 50*time.Millisecond, "etcd to serve", func() (bool, error) {
+		select {
+		case <-e.done:
+			tb.Fatalf("etcd exited: %s", e.tail())
+		default:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_, err := cli.Get(ctx, "health")
+		return err == nil, err
+	})
+	return e
+}
+
+func (e *etcdProcess) stop(tb testing.TB) {
+	select {
+	case <-e.done:
+		return
+	default:
+	}
+	_ = e.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-e.done:
+	case <-time.After(stopTimeout):
+		tb.Logf("etcd did not stop within %v of SIGTERM; killing it", stopTimeout)
+		_ = e.cmd.Process.Kill()
+		<-e.done
+	}
+}
+
+func (e *etcdProcess) tail() string {
+	b, _ := os.ReadFile(e.logPath)
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	return strings.Join(lines[max(len(lines)-20, 0):], "\n")
+}
+
+// rssBytes is the etcd process's resident memory (VmRSS), or 0 if unknown.
+func (e *etcdProcess) rssBytes() int64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", e.cmd.Process.Pid))
+	if err != nil {
+		return 0
+	}
+	for line := range strings.SplitSeq(string(b), "\n") {
+		if f := strings.Fields(line); len(f) == 3 && f[0] == "VmRSS:" {
+			kb, _ := strconv.ParseInt(f[1], 10, 64)
+			return kb << 10
+		}
+	}
+	return 0
+}
+
+// newClient is a clientv3 client of endpoint, closed when tb ends.
+func newClient(tb testing.TB, endpoint string) *clientv3.Client {
+	tb.Helper()
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{endpoint}, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { cli.Close() })
+	return cli
+}
+
+// startProxy starts the proxy in this process in front of endpoint, and
+// waits until it has loaded the keyspace.
+func startProxy(tb testing.TB, endpoint string, configure func(*server.Config)) *server.Server {
+	tb.Helper()
+	cfg := server.Config{
+		Endpoints:  []string{endpoint},
+		ListenAddr: "127.0.0.1:0",
+	}
+	if configure != nil {
+		configure(&cfg)
+	}
+	return proxytest.StartProxy(tb, cfg)
+}
+
+// waitApplied waits until the proxy's cache has applied rev.
+func waitApplied(tb testing.TB, p *server.Server, rev int64) {
+	tb.Helper()
+	testsupport.WaitFor(tb, 5*time.Minute, fmt.Sprintf("the cache to reach revision %d", rev), func() bool {
+		return p.Store().Rev() >= rev
+	})
+}
+
+// writer writes values of a fixed size through one client.
+type writer struct {
+	cli     *clientv3.Client
+	kv      pb.KVClient
+	value   []byte
+	workers int
+}
+
+func newWriter(cli *clientv3.Client, valueSize, workers int) *writer {
+	v := make([]byte, valueSize)
+	for i := range v {
+		v[i] = 'a' + byte(i%26)
+	}
+	return &writer{cli: cli, kv: pb.NewKVClient(cli.ActiveConnection()), value: v, workers: workers}
+}
+
+// put writes n puts, of keyOf(i) for i in 0..n-1, with the writer's
+// concurrent workers, one revision each, and returns the highest revision
+// written.
+func (w *writer) put(tb testing.TB, n int, keyOf func(i int) []byte) int64 {
+	tb.Helper()
+	var mu sync.Mutex
+	var head int64
+	var firstErr error
+	var wg sync.WaitGroup
+	next := make(chan int, w.workers)
+	for range w.workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range next {
+				r, err := w.kv.Put(context.Background(), &pb.PutRequest{Key: keyOf(i), Value: w.value})
+				mu.Lock()
+				if err != nil && firstErr == nil {
+					firstErr = err
+				}
+				if err == nil {
+					head = max(head, r.Header.Revision)
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	for i := range n {
+		next <- i
+	}
+	close(next)
+	wg.Wait()
+	if firstErr != nil {
+		tb.Fatalf("put: %v", firstErr)
+	}
+	return head
+}
+
+// keyspace is the benchmarks' keys: n keys shaped like kube-apiserver's.
+type keyspace struct{ n int }
+
+func (k keyspace) key(i int) []byte {
+	return fmt.Appendf(nil, "/registry/pods/ns-%03d/pod-%08d", i%100, i)
+}
+
+// random returns a key function that picks keys at random, seeded.
+func (k keyspace) random(seed uint64) func(int) []byte {
+	var mu sync.Mutex
+	rng := rand.New(rand.NewPCG(seed, seed+1))
+	return func(int) []byte {
+		mu.Lock()
+		i := rng.IntN(k.n)
+		mu.Unlock()
+		return k.key(i)
+	}
+}
+
+// liveHeap is this process's live heap: HeapAlloc right after a full
+// collection.
+func liveHeap() int64 {
+	runtime.GC()
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return int64(m.HeapAlloc)
+}

@@ -1,0 +1,207 @@
+package revtree
+
+import (
+	"math"
+	"unsafe"
+
+	"github.com/google/btree"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+)
+
+// Memory estimates.
+//
+// The store counts its memory as it goes, with a deterministic estimate of
+// every object it keeps: no runtime.MemStats, no walk of the trees. Each
+// estimate is the object's size rounded up to the Go allocator's size class
+// (sizeClass), which is what the heap really spends on it.
+//
+//   - A KeyValue: the struct (unsafe.Sizeof, 120 bytes, class 128), plus
+//     its key and its value, each a separate allocation, as the protobuf
+//     decoder of a watch or range response makes them (kvBytes).
+//   - An Event: the struct (64 bytes), plus its slot in the events slice of
+//     the watch response (8 bytes). A delete's Kv is a tombstone KeyValue
+//     of its own (a key, no value); a put's Kv is the live KeyValue.
+//   - A B-tree node (github.com/google/btree): the node struct (56 bytes,
+//     class 64), its items array and, for an inner node, its children
+//     array. Arrays grow by append, so a node of degree d holds capacity
+//     for 2d-1 items and 2d children rounded up to a power of two (16 and
+//     16 at degree 8: 128 bytes each). A copy-on-write copy keeps the
+//     capacity of the node it copies.
+//   - Tree shape: a load inserts keys in order, which leaves every node
+//     half full, d-1 items, and every inner node with d children; the
+//     root holds what is left. shape.levels computes the levels for n
+//     items from that. Trees grown by random inserts are fuller (about 0.7
+//     of 2d-1 items per node) and a little shallower.
+//   - A write to the working tree after a Clone copies the nodes from the
+//     root down to the one that holds its key; the writes of one revision
+//     share the nodes they both pass (shape.copied).
+//   - A snapshot: the snapshot struct, the cloned BTreeG header, its two
+//     new copy-on-write contexts (Clone makes one for each tree) and its
+//     slot in the index of snapshots.
+//
+// What a retained revision costs (its snapshot's bytes): the snapshot, the
+// path its writes copied, its events, and the KeyValues it displaced (a
+// put's or delete's previous KeyValue, which from then on only history
+// holds). Dropping the oldest snapshot frees about that much: its events,
+// the KeyValues they hold as PrevKv, and the nodes only it still shares
+// (the old path that the next revision copied, charged to that revision:
+// the two differ by one revision's path in the whole window).
+//
+// TestMemoryEstimate checks these estimates against the live heap
+// (runtime.MemStats.HeapAlloc after a GC) for several degrees, value sizes
+// and workloads.
+
+// sizeClasses are the Go allocator's small object size classes
+// (internal/runtime/gc/sizeclasses.go, Go 1.26). Larger objects take whole
+// 8 KiB pages.
+var sizeClasses = [...]int64{
+	8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256,
+	288, 320, 352, 384, 416, 448, 480, 512, 576, 640, 704, 768, 896, 1024, 1152, 1280,
+	1408, 1536, 1792, 2048, 2304, 2688, 3072, 3200, 3456, 4096, 4864, 5376, 6144, 6528,
+	6784, 6912, 8192, 9472, 9728, 10240, 10880, 12288, 13568, 14336, 16384, 18432, 19072,
+	20480, 21760, 24576, 27264, 28672, 32768,
+}
+
+// sizeClass returns the heap bytes an allocation of n bytes takes.
+func sizeClass(n int64) int64 {
+	switch {
+	case n <= 0:
+		return 0
+	case n > sizeClasses[len(sizeClasses)-1]:
+		const page = 8192
+		return (n + page - 1) / page * page
+	}
+	lo, hi := 0, len(sizeClasses)-1
+	for lo < hi {
+		mid := (lo + hi) / 2
+		if sizeClasses[mid] < n {
+			lo = mid + 1
+		} else {
+			hi = mid
+		}
+	}
+	return sizeClasses[lo]
+}
+
+// bytesAlloc is the heap an allocation of a []byte of n bytes takes. Below
+// 16 bytes the allocator packs pointer-free objects together (its tiny
+// allocator), so they cost about their length.
+func bytesAlloc(n int) int64 {
+	if n < 16 {
+		return int64(n)
+	}
+	return sizeClass(int64(n))
+}
+
+var (
+	kvStructBytes    = sizeClass(int64(unsafe.Sizeof(mvccpb.KeyValue{})))
+	eventBytes       = sizeClass(int64(unsafe.Sizeof(mvccpb.Event{}))) + 8 // + its slot in the events slice
+	nodeStructBytes  = sizeClass(2*24 + 8)                                 // items, children (slices), cow (pointer)
+	snapshotOverhead = sizeClass(int64(unsafe.Sizeof(snapshot{}))) +
+		sizeClass(int64(unsafe.Sizeof(btree.BTreeG[*mvccpb.KeyValue]{}))) +
+		2*sizeClass(16) + // two copy-on-write contexts: a freelist pointer and a less func
+		20 // the slot in the snapshot index: a degree-32 B-tree of pointers, appended in order, so half-full nodes
+)
+
+// kvBytes estimates a KeyValue's memory: the struct, its key and value.
+func kvBytes(kv *mvccpb.KeyValue) int64 {
+	return kvStructBytes + bytesAlloc(len(kv.Key)) + bytesAlloc(len(kv.Value))
+}
+
+// pow2 returns the least power of two >= n (n >= 1).
+func pow2(n int) int {
+	p := 1
+	for p < n {
+		p *= 2
+	}
+	return p
+}
+
+// shape is the estimated cost of the nodes of a tree of degree d.
+type shape struct {
+	degree      int
+	leaf, inner int64 // a node at full capacity
+}
+
+func newShape(degree int) shape {
+	items := sizeClass(int64(8 * pow2(2*degree-1)))
+	children := sizeClass(int64(8 * pow2(2*degree)))
+	return shape{degree: degree, leaf: nodeStructBytes + items, inner: nodeStructBytes + items + children}
+}
+
+// level is one level of an estimated tree.
+type level struct {
+	nodes int   // how many nodes
+	bytes int64 // of each node
+	items int   // the level holds
+}
+
+// levels returns the levels of the estimated tree of n items, leaves
+// first, into buf.
+func (sh shape) levels(n int, buf *[64]level) []level {
+	d := sh.degree
+	out := buf[:0]
+	switch {
+	case n == 0:
+		return out
+	case n <= 2*d-1: // a leaf root
+		return append(out, level{1, nodeStructBytes + sizeClass(int64(8*pow2(n))), n})
+	}
+	// Half-full nodes: each leaf holds d-1 items and gives one to its
+	// parent, each inner node has d children and d-1 items.
+	nodes := (n + d - 1) / d
+	out = append(out, level{nodes, sh.leaf, 0})
+	inner := 0
+	for nodes > 2*d && len(out) < len(buf)-1 {
+		nodes = (nodes + d - 1) / d
+		out = append(out, level{nodes, sh.inner, nodes * (d - 1)})
+		inner += nodes * (d - 1)
+	}
+	// The root holds what is left: one child per node below.
+	out = append(out, level{1, nodeStructBytes + sizeClass(int64(8*pow2(nodes-1))) + sizeClass(int64(8*pow2(nodes))), nodes - 1})
+	inner += nodes - 1
+	out[0].items = max(n-inner, 0)
+	return out
+}
+
+// tree estimates every node of a tree of n items.
+func (sh shape) tree(n int) int64 {
+	var buf [64]level
+	var all int64
+	for _, l := range sh.levels(n, &buf) {
+		all += int64(l.nodes) * l.bytes
+	}
+	return all
+}
+
+// copied estimates the nodes that k writes of random keys copy in a tree
+// of n items after a Clone. A write copies the nodes from the root down to
+// the node that holds its key: a level is reached by the share of the
+// items it and the levels below hold. k writes that reach a level of N
+// nodes copy N(1-(1-1/N)^k) of them, the expected number of distinct
+// nodes among k random picks. Writes to neighbouring keys (a DeleteRange,
+// a Txn over one prefix) share more nodes, so for them this errs high,
+// never beyond a copy of the whole tree.
+func (sh shape) copied(n, k int) int64 {
+	if n == 0 || k == 0 {
+		return 0
+	}
+	var buf [64]level
+	lv := sh.levels(n, &buf)
+	var out float64
+	below := float64(n) // items in this level and the ones below it
+	for i := len(lv) - 1; i >= 0; i-- {
+		l := lv[i]
+		writes := float64(k) * below / float64(n)
+		nodes := float64(l.nodes)
+		if l.nodes > 1 {
+			nodes *= 1 - math.Pow(1-1/nodes, writes)
+		} else {
+			nodes = min(writes, 1)
+		}
+		out += nodes * float64(l.bytes)
+		below -= float64(l.items)
+	}
+	return int64(out)
+}
