@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -32,13 +33,15 @@ const DefaultMaxForwardedReads = 128
 // cache loads: GETs, kube-apiserver's revision probe (limit 1), health checks.
 const smallReadLimit = 100
 
-// maxForwardQueueWait bounds how long a read waits for a forwarding slot
-// when its own context has no deadline.
-const maxForwardQueueWait = 5 * time.Second
+// maxQueueWait bounds how long a read waits for a forwarding slot, or for
+// room under the bound of cached read bytes, when its own context has no
+// deadline.
+const maxQueueWait = 5 * time.Second
 
 var (
 	errLoading  = status.Error(codes.Unavailable, "etcd-snapcache: the cache is loading; only small reads are forwarded meanwhile; retry")
 	errOverload = status.Error(codes.Unavailable, "etcd-snapcache: too many reads forwarded to etcd; retry")
+	errMemory   = status.Error(codes.Unavailable, "etcd-snapcache: too many bytes of reads in flight from the cache; retry")
 	// errNotFresh is returned, with FallbackFail, when freshness was not
 	// proven in time.
 	errNotFresh = status.Error(codes.Unavailable, "etcd-snapcache: could not prove the cache fresh in time; retry")
@@ -119,6 +122,11 @@ type Config struct {
 	// (DefaultMaxForwardedReads if 0), so that a reload cannot turn into a
 	// storm of forwarded reads.
 	MaxForwardedReads int
+	// MaxCachedReadBytes bounds the bytes of responses served from the
+	// store that are being built and handed to gRPC at once
+	// (DefaultMaxCachedReadBytes if 0; negative: no bound). Beyond it,
+	// reads wait for room, as forwarded reads wait for a slot.
+	MaxCachedReadBytes int64
 	// Inconsistent, if set, reports that every read must go to etcd: the
 	// consistency checker found the store inconsistent.
 	Inconsistent func() bool
@@ -150,6 +158,8 @@ type Server struct {
 	inconsistent func() bool
 	authorize    func(ctx context.Context, key, rangeEnd []byte, linearizable bool) error
 	forwards     chan struct{} // semaphore of reads in flight to etcd
+	budget       *byteBudget   // bytes of cached responses in flight; nil: no bound
+	queueWait    time.Duration // bound of a wait for admission without a deadline; maxQueueWait if 0
 	releases     releaseCache
 }
 
@@ -168,6 +178,9 @@ func New(cfg Config) *Server {
 	}
 	if cfg.FreshnessTimeout <= 0 {
 		cfg.FreshnessTimeout = DefaultFreshnessTimeout
+	}
+	if cfg.MaxCachedReadBytes == 0 {
+		cfg.MaxCachedReadBytes = DefaultMaxCachedReadBytes
 	}
 	if cfg.Inconsistent == nil {
 		cfg.Inconsistent = func() bool { return false }
@@ -192,6 +205,7 @@ func New(cfg Config) *Server {
 		inconsistent: cfg.Inconsistent,
 		authorize:    cfg.Authorize,
 		forwards:     make(chan struct{}, cfg.MaxForwardedReads),
+		budget:       newByteBudget(cfg.MaxCachedReadBytes, cfg.Metrics.setCachedReadBytes),
 	}
 }
 
@@ -204,6 +218,9 @@ func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeRespon
 	if err := checkRangeRequest(r); err != nil {
 		return nil, err
 	}
+	// Every revision the proxy has answered at so far is at most the
+	// highest etcd has reported to it: no answer may be below it.
+	served := s.follower.HeadSeen()
 	rules := s.rules()
 	rt := s.route(ctx, r, rules)
 	if rt.action != serveFromCache {
@@ -212,16 +229,85 @@ func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeRespon
 			return nil, err
 		}
 		defer release()
-		resp, err := s.upstream.Range(ctx, r)
-		if err == nil {
-			s.follower.ObserveHeader(resp.Header)
-		}
-		return resp, err
+		return s.forwardRange(ctx, r, served)
 	}
-	s.m.observe(sourceCache, rt.reason)
+	held, err := s.admitCached(ctx, rt.view, r, rules.opts)
+	if err != nil {
+		s.m.observe(sourceRejected, reasonMemory)
+		return nil, err
+	}
 	resp := rt.view.Range(r, rules.opts)
+	if held, err = s.fitCached(ctx, held, resp); err != nil {
+		s.m.observe(sourceRejected, reasonMemory)
+		return nil, err
+	}
+	// gRPC encodes and queues the response after the handler returns, and
+	// ends the call's context once it has: hold the bytes until then.
+	s.releaseCachedWhenDone(ctx, held)
+	s.m.observe(sourceCache, rt.reason)
 	s.follower.FillHeader(resp.Header)
 	return resp, nil
+}
+
+// forwardRange asks etcd, never answering below served, a revision the
+// proxy may already have answered at. etcd answers a serializable read
+// from one member, whose revision never goes back; the proxy stands for
+// one member to its clients, but its upstream connection spreads reads
+// over the cluster, and a member that lags behind the others answers below
+// what the cache (or another member) already served. Such an answer is
+// asked again as a linearizable read: etcd answers that at a revision no
+// lower than any it had committed when the read arrived, and every
+// revision the proxy has seen was committed. The retry's answer stands,
+// whatever its revision: it is etcd's own present.
+func (s *Server) forwardRange(ctx context.Context, r *pb.RangeRequest, served int64) (*pb.RangeResponse, error) {
+	resp, err := s.upstream.Range(ctx, r)
+	if err == nil {
+		s.follower.ObserveHeader(resp.Header)
+	}
+	if !r.Serializable || !wentBack(resp, err, r.Revision, served) {
+		return resp, err
+	}
+	s.m.observeWentBack()
+	lr := proto.Clone(r).(*pb.RangeRequest)
+	lr.Serializable = false
+	resp, err = s.upstream.Range(ctx, lr)
+	if err == nil {
+		s.follower.ObserveHeader(resp.Header)
+	}
+	return resp, err
+}
+
+// wentBack reports whether etcd's answer to a read at rev is older than
+// served: a header below it, or a future-revision refusal of a revision
+// the proxy has seen.
+func wentBack(resp *pb.RangeResponse, err error, rev, served int64) bool {
+	if err != nil {
+		return rev > 0 && rev <= served && errors.Is(err, rpctypes.ErrGRPCFutureRev)
+	}
+	return resp.GetHeader().GetRevision() < served
+}
+
+// queueContext bounds a wait for admission: by the caller's deadline, or
+// by queueWait if it has none.
+func (s *Server) queueContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	if _, ok := ctx.Deadline(); ok {
+		return context.WithCancel(ctx)
+	}
+	wait := s.queueWait
+	if wait <= 0 {
+		wait = maxQueueWait
+	}
+	return context.WithTimeout(ctx, wait)
+}
+
+// admissionError is the answer to a read that waited for admission in
+// vain: what etcd answers when the caller's own context ends
+// (DeadlineExceeded, or Canceled), else the proxy's overload error.
+func admissionError(ctx context.Context, overload error) error {
+	if err := ctx.Err(); err != nil {
+		return status.FromContextError(err).Err()
+	}
+	return overload
 }
 
 // settle answers a request the store must not serve: with the refusal the
@@ -245,23 +331,21 @@ func (s *Server) settle(ctx context.Context, rt route) (release func(), err erro
 }
 
 // acquireForward takes one of the slots of reads in flight to etcd, waiting
-// for one up to the read's deadline (or maxForwardQueueWait).
+// for one up to the read's deadline (or maxQueueWait). A read whose own
+// deadline passes first gets DeadlineExceeded, as from etcd.
 func (s *Server) acquireForward(ctx context.Context) (func(), error) {
 	select {
 	case s.forwards <- struct{}{}:
 		return func() { <-s.forwards }, nil
 	default:
 	}
-	if _, ok := ctx.Deadline(); !ok {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, maxForwardQueueWait)
-		defer cancel()
-	}
+	wctx, cancel := s.queueContext(ctx)
+	defer cancel()
 	select {
 	case s.forwards <- struct{}{}:
 		return func() { <-s.forwards }, nil
-	case <-ctx.Done():
-		return nil, errOverload
+	case <-wctx.Done():
+		return nil, admissionError(ctx, errOverload)
 	}
 }
 

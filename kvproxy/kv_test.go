@@ -6,14 +6,19 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 )
 
 // TestForwardedReadsAreBounded: with every forwarding slot taken, a read
-// waits for one up to its deadline and then fails with Unavailable, instead
-// of adding to etcd's load; a freed slot is taken at once.
+// waits for one up to its deadline, instead of adding to etcd's load, and
+// then fails as etcd fails a request past its deadline (DeadlineExceeded);
+// without a deadline it waits up to the queue bound, then fails with
+// Unavailable. A freed slot is taken at once.
 func TestForwardedReadsAreBounded(t *testing.T) {
-	s := &Server{forwards: make(chan struct{}, 2)}
+	s := &Server{forwards: make(chan struct{}, 2), queueWait: 20 * time.Millisecond}
 	release1, err := s.acquireForward(context.Background())
 	if err != nil {
 		t.Fatal(err)
@@ -24,8 +29,11 @@ func TestForwardedReadsAreBounded(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
 	defer cancel()
-	if _, err := s.acquireForward(ctx); !errors.Is(err, errOverload) {
-		t.Fatalf("third read with both slots taken: %v, want %v", err, errOverload)
+	if _, err := s.acquireForward(ctx); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("third read with both slots taken past its deadline: %v, want DeadlineExceeded", err)
+	}
+	if _, err := s.acquireForward(context.Background()); !errors.Is(err, errOverload) {
+		t.Fatalf("third read with both slots taken, no deadline: %v, want %v", err, errOverload)
 	}
 	got := make(chan error, 1)
 	go func() {

@@ -42,12 +42,15 @@ const (
 	reasonCompacted reason = "compacted"
 	reasonFuture    reason = "future"
 	reasonOverload  reason = "overload" // no forwarding slot in time
+	reasonMemory    reason = "memory"   // no room under --max-cached-read-bytes in time
 )
 
 // Metrics are the KV service's Prometheus metrics. A nil *Metrics records
 // nothing.
 type Metrics struct {
-	ranges *prometheus.CounterVec
+	ranges          *prometheus.CounterVec
+	wentBack        prometheus.Counter
+	cachedReadBytes prometheus.Gauge
 }
 
 // NewMetrics creates the KV service's metrics and registers them with reg.
@@ -57,9 +60,29 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "etcd_snapcache_range_requests_total",
 			Help: "Range requests by source (cache, forwarded, rejected) and reason.",
 		}, []string{"source", "reason"}),
+		wentBack: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "etcd_snapcache_range_went_back_total",
+			Help: "Serializable reads forwarded to etcd that a member answered below a revision the proxy had served, asked again as linearizable reads.",
+		}),
+		cachedReadBytes: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "etcd_snapcache_cached_read_bytes",
+			Help: "Bytes of responses served from the cache being built and sent, bounded by --max-cached-read-bytes.",
+		}),
 	}
-	reg.MustRegister(m.ranges)
+	reg.MustRegister(m.ranges, m.wentBack, m.cachedReadBytes)
 	return m
+}
+
+func (m *Metrics) observeWentBack() {
+	if m != nil {
+		m.wentBack.Inc()
+	}
+}
+
+func (m *Metrics) setCachedReadBytes(n int64) {
+	if m != nil {
+		m.cachedReadBytes.Set(float64(n))
+	}
 }
 
 func (m *Metrics) observe(src source, why reason) {

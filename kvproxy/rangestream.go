@@ -57,28 +57,56 @@ func (s *Server) RangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServ
 			return err
 		}
 		defer release()
+		if r.Serializable {
+			// The answer's revision comes with its last chunk, after
+			// the others were relayed: too late to ask again if a
+			// lagging member answered below what the proxy served
+			// (forwardRange). A linearizable read never is below it,
+			// and is a valid answer to a serializable one.
+			r = proto.Clone(r).(*pb.RangeRequest)
+			r.Serializable = false
+		}
 		return s.relayRangeStream(r, stream)
 	}
-	s.m.observe(sourceCache, rt.reason)
-	return s.rangeStreamFromView(rt.view, r, rules.opts, stream)
+	return s.rangeStreamFromView(rt, r, rules.opts, stream)
 }
 
-func (s *Server) rangeStreamFromView(view revtree.View, req *pb.RangeRequest, opts revtree.RangeOptions, stream grpc.ServerStreamingServer[pb.RangeStreamResponse]) error {
+// rangeStreamFromView serves a RangeStream from the route's view, chunking
+// as etcd does. Each chunk holds room under the bound of cached read bytes
+// while it is built and sent. The request is counted once its first chunk
+// is admitted, or refused.
+func (s *Server) rangeStreamFromView(rt route, req *pb.RangeRequest, opts revtree.RangeOptions, stream grpc.ServerStreamingServer[pb.RangeStreamResponse]) error {
+	view := rt.view
 	r := proto.Clone(req).(*pb.RangeRequest)
 	if r.CountOnly {
+		s.m.observe(sourceCache, rt.reason)
 		resp := view.Range(r, opts)
 		out := &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: resp.Header.Revision}, Count: resp.Count}
 		s.follower.FillHeader(out.Header)
 		return stream.Send(&pb.RangeStreamResponse{RangeResponse: out})
 	}
+	ctx := stream.Context()
 	totalLimit := r.Limit
 	if totalLimit == 0 {
 		totalLimit = math.MaxInt64
 	}
 	r.Limit = min(int64(initialStreamChunkLimit), totalLimit)
 	var count int64
-	for {
+	for first := true; ; first = false {
+		held, err := s.admitCached(ctx, view, r, opts)
+		switch {
+		case first && err != nil:
+			s.m.observe(sourceRejected, reasonMemory)
+			return err
+		case first:
+			s.m.observe(sourceCache, rt.reason)
+		case err != nil:
+			return err
+		}
 		resp := view.Range(r, opts)
+		if held, err = s.fitCached(ctx, held, resp); err != nil {
+			return err
+		}
 		count += int64(len(resp.Kvs))
 		var nextKey []byte
 		if resp.More {
@@ -97,11 +125,10 @@ func (s *Server) rangeStreamFromView(view revtree.View, req *pb.RangeRequest, op
 				out.Count += rest.Count
 			}
 		}
-		if err := stream.Send(&pb.RangeStreamResponse{RangeResponse: out}); err != nil {
+		err = stream.Send(&pb.RangeStreamResponse{RangeResponse: out})
+		s.releaseCached(held)
+		if err != nil || done {
 			return err
-		}
-		if done {
-			return nil
 		}
 		r.Key = nextKey
 		r.Limit = min(adjustChunkLimit(r.Limit, proto.Size(resp), streamChunkTargetBytes), totalLimit-count)

@@ -41,6 +41,15 @@ func refused(why reason, err error) route { return route{action: refuse, reason:
 // the read fence for a linearizable read, or serializable at a revision it
 // has reached.
 func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRules) route {
+	// A linearizable read the store may serve needs both the read fence
+	// and, with auth on, a permission check at a fresh auth revision. Each
+	// waits on etcd, so they run together, and the read waits for the
+	// slower one rather than for both in turn.
+	var fence *fenceCall
+	if !r.Serializable && s.follower.Serving() && !s.inconsistent() && (!r.KeysOnly || rules.known) {
+		fence = s.startFence(ctx, r.Revision)
+		defer fence.stop()
+	}
 	// etcd's handler validates (done), then checks permissions.
 	switch err := s.authorize(ctx, r.Key, r.RangeEnd, !r.Serializable); {
 	case errors.Is(err, ErrAskEtcd):
@@ -63,14 +72,19 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRul
 		// release.
 		return forwarded(reasonVersionUnknown)
 	case !r.Serializable:
-		return s.routeLinearizable(ctx, r)
+		if fence == nil { // the state changed since: fence now
+			fence = s.startFence(ctx, r.Revision)
+			defer fence.stop()
+		}
+		return s.routeLinearizable(r, fence.result())
 	}
-	why, need := reasonHistorical, r.Revision
+	// A serializable read is answered, with the store's revision in its
+	// header, once the store is no lower than any revision etcd has
+	// reported to the proxy, so that a client reads its own writes and
+	// never goes back in time through it: etcd's member does not answer
+	// below what it has acknowledged, at the head or at a revision.
+	why, need := reasonHistorical, max(r.Revision, s.follower.HeadSeen())
 	if r.Revision <= 0 {
-		// A serializable read at the head is answered at a revision no
-		// lower than any etcd has reported to the proxy, so that a client
-		// reads its own writes and never goes back in time through it:
-		// etcd's member does not answer below what it has acknowledged.
 		// That also covers etcd's compaction revision, which the store
 		// may learn before its watch delivers that revision.
 		why, need = reasonSerializable, max(s.store.CompactRev(), s.follower.HeadSeen())
@@ -87,13 +101,39 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRul
 	return s.routeView(r.Revision, why)
 }
 
-// routeLinearizable serves a linearizable read (etcd reads revision <= 0 as
-// its head) from the store once a read fence proves the store holds every
-// write etcd acknowledged before the read arrived.
-func (s *Server) routeLinearizable(ctx context.Context, r *pb.RangeRequest) route {
+// fenceCall is a read fence running beside a request, on a goroutine the
+// request owns: stop cancels it and waits for it.
+type fenceCall struct {
+	cancel context.CancelFunc
+	done   chan struct{} // closed once err is set
+	err    error
+}
+
+func (s *Server) startFence(ctx context.Context, rev int64) *fenceCall {
 	fctx, cancel := context.WithTimeout(ctx, s.fresh)
-	_, err := s.follower.Fence(fctx, r.Revision)
-	cancel()
+	f := &fenceCall{cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(f.done)
+		_, f.err = s.follower.Fence(fctx, rev)
+	}()
+	return f
+}
+
+// result waits for the fence and returns its error.
+func (f *fenceCall) result() error {
+	<-f.done
+	return f.err
+}
+
+func (f *fenceCall) stop() {
+	f.cancel()
+	<-f.done
+}
+
+// routeLinearizable serves a linearizable read (etcd reads revision <= 0 as
+// its head) from the store once a read fence (whose error is err) proves
+// the store holds every write etcd acknowledged before the read arrived.
+func (s *Server) routeLinearizable(r *pb.RangeRequest, err error) route {
 	switch {
 	case errors.Is(err, progress.ErrCompacted):
 		return refused(reasonCompacted, rpctypes.ErrGRPCCompacted)

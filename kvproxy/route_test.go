@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -86,18 +87,25 @@ func (f *fakeFollower) LeaderLost() (bool, <-chan struct{}) {
 }
 
 // fakeKV is etcd's KV service: it answers Range and RangeStream at
-// upstreamRev and counts the calls.
+// upstreamRev (or as answer says), and records the calls.
 type fakeKV struct {
 	pb.KVClient
+	// answer, if set, answers Range.
+	answer func(r *pb.RangeRequest) (*pb.RangeResponse, error)
 
 	mu                   sync.Mutex
 	ranges, rangeStreams int
+	requests             []*pb.RangeRequest // of Range and RangeStream, in order
 }
 
 func (u *fakeKV) Range(ctx context.Context, r *pb.RangeRequest, _ ...grpc.CallOption) (*pb.RangeResponse, error) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	u.ranges++
+	u.requests = append(u.requests, r)
+	if u.answer != nil {
+		return u.answer(r)
+	}
 	return &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: upstreamRev}}, nil
 }
 
@@ -105,6 +113,7 @@ func (u *fakeKV) RangeStream(ctx context.Context, r *pb.RangeRequest, _ ...grpc.
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	u.rangeStreams++
+	u.requests = append(u.requests, r)
 	return &fakeRangeStreamClient{resps: []*pb.RangeStreamResponse{
 		{RangeResponse: &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: upstreamRev}}},
 	}}, nil
@@ -322,12 +331,40 @@ func routeCases() []routeCase {
 		{name: "fence: future revision", req: &pb.RangeRequest{Key: []byte("a"), Revision: 1000},
 			setup:  fenceReturns(progress.ErrFutureRev),
 			action: refuse, reason: reasonFuture, err: rpctypes.ErrGRPCFutureRev},
-		{name: "forwarded read with no slot free", via: viaRange, req: serializable("a", 0), auth: true,
+		{name: "forwarded read with no slot free in time", via: viaRange, req: serializable("a", 0), auth: true,
 			setup: func(_ *testing.T, e *routeEnv) { e.cfg.MaxForwardedReads = 1 },
 			// The one slot is taken for the whole request.
+			prepare: func(s *Server) { s.forwards <- struct{}{}; s.queueWait = 20 * time.Millisecond },
+			action:  refuse, reason: reasonOverload, err: errOverload},
+		{name: "forwarded read with no slot free by its deadline", via: viaRange, req: serializable("a", 0), auth: true,
+			setup:   func(_ *testing.T, e *routeEnv) { e.cfg.MaxForwardedReads = 1 },
 			prepare: func(s *Server) { s.forwards <- struct{}{} },
 			timeout: 20 * time.Millisecond,
-			action:  refuse, reason: reasonOverload, err: errOverload},
+			action:  refuse, reason: reasonOverload, err: errDeadline},
+		{name: "cached read with no room in time", via: viaRange, req: serializable("a", 0),
+			setup:   func(_ *testing.T, e *routeEnv) { e.cfg.MaxCachedReadBytes = 100 },
+			prepare: func(s *Server) { holdBudget(s, 100); s.queueWait = 20 * time.Millisecond },
+			action:  refuse, reason: reasonMemory, err: errMemory},
+		{name: "cached read with no room by its deadline", via: viaRange, req: serializable("a", 0),
+			setup:   func(_ *testing.T, e *routeEnv) { e.cfg.MaxCachedReadBytes = 100 },
+			prepare: func(s *Server) { holdBudget(s, 100) },
+			timeout: 20 * time.Millisecond,
+			action:  refuse, reason: reasonMemory, err: errDeadline},
+		{name: "cached RangeStream with no room by its deadline", via: viaRangeStream, req: &pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), Serializable: true},
+			setup:   func(_ *testing.T, e *routeEnv) { e.cfg.MaxCachedReadBytes = 100 },
+			prepare: func(s *Server) { holdBudget(s, 100) },
+			timeout: 20 * time.Millisecond,
+			action:  refuse, reason: reasonMemory, err: errDeadline},
+	}
+}
+
+// errDeadline is etcd's answer to a request whose deadline passed.
+var errDeadline = status.FromContextError(context.DeadlineExceeded).Err()
+
+// holdBudget takes n bytes of the server's cached read budget, for good.
+func holdBudget(s *Server, n int64) {
+	if _, err := s.budget.acquire(context.Background(), n); err != nil {
+		panic(err)
 	}
 }
 
@@ -601,8 +638,8 @@ func TestOverloadedForwardCountedOnceAsRejected(t *testing.T) {
 	tctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
 	defer cancel()
 
-	if _, err := s.Range(tctx, serializable("a", 0)); !errors.Is(err, errOverload) {
-		t.Fatalf("Range with no slot: %v, want %v", err, errOverload)
+	if _, err := s.Range(tctx, serializable("a", 0)); !errors.Is(err, errDeadline) {
+		t.Fatalf("Range with no slot by its deadline: %v, want %v", err, errDeadline)
 	}
 	if n := seriesCount(t, e.reg); n != 1 {
 		t.Fatalf("%d series after one overloaded read, want 1:\n%s", n, dumpRanges(t, e.reg))

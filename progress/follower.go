@@ -81,7 +81,7 @@ type Follower struct {
 
 	ready     chan struct{} // closed once the first load has caught up
 	readyOnce sync.Once
-	following atomic.Bool // the upstream watch is established
+	following followState // the upstream watch is established, and since when not
 	loading   atomic.Bool // a load or reload is under way
 	timeline  timeline
 	// verified is the generation of the upstream watch stream while it is
@@ -124,6 +124,7 @@ func New(cfg Config) *Follower {
 		requests: newProgressRequests(),
 		ready:    make(chan struct{}),
 	}
+	f.following.since.Store(time.Now().UnixNano())
 	f.version = newVersionTracker(f.upstream, pb.NewMaintenanceClient(conn), f.lg)
 	f.version.unsupported = func(err error) {
 		f.lg.Error("etcd now runs a release the proxy cannot follow; reloading, which waits for a supported one", zap.Error(err))
@@ -197,6 +198,43 @@ func (f *Follower) LoadError() error {
 // Following reports whether the upstream watch is currently established.
 func (f *Follower) Following() bool { return f.following.Load() }
 
+// NotFollowingSince returns the zero time while the upstream watch is
+// established; otherwise when the follower last had etcd's keyspace in
+// step without it: when the watch was lost, or a load since then ended
+// (when the follower was made, before any).
+func (f *Follower) NotFollowingSince() time.Time { return f.following.downSince() }
+
+// followState is whether the upstream watch is established, and since when
+// the store is not kept in step. Only the feed stores it.
+type followState struct {
+	on    atomic.Bool
+	since atomic.Int64 // unix nanoseconds: the watch lost, a load ended, or the follower made
+}
+
+// Store records whether the watch is established.
+func (s *followState) Store(on bool) {
+	if s.on.Swap(on) && !on {
+		s.since.Store(time.Now().UnixNano())
+	}
+}
+
+// loaded records that a load brought the store in step with etcd.
+func (s *followState) loaded() {
+	if !s.on.Load() {
+		s.since.Store(time.Now().UnixNano())
+	}
+}
+
+// Load reports whether the watch is established.
+func (s *followState) Load() bool { return s.on.Load() }
+
+func (s *followState) downSince() time.Time {
+	if s.on.Load() {
+		return time.Time{}
+	}
+	return time.Unix(0, s.since.Load())
+}
+
 // UpstreamVersion returns the etcd release reported by the upstream's
 // Maintenance.Status, read again after every reconnect, or "" while it is
 // unknown (not read yet, or Status refused, as etcd 3.6 refuses non-admins
@@ -252,6 +290,7 @@ func (f *Follower) Changed() <-chan struct{} { return f.changes.wait() }
 
 // readyAt closes Ready once the store reaches target.
 func (f *Follower) readyAt(target int64) {
+	f.following.loaded()
 	if f.store.Rev() >= target {
 		f.readyOnce.Do(func() {
 			close(f.ready)

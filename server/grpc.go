@@ -40,7 +40,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	serverMetrics := grpcprom.NewServerMetrics(mopts...)
 	s.registry.MustRegister(serverMetrics)
 	unary := []grpc.UnaryServerInterceptor{serverMetrics.UnaryServerInterceptor(), s.gateUnary}
-	stream := []grpc.StreamServerInterceptor{serverMetrics.StreamServerInterceptor(), s.gateStream}
+	stream := []grpc.StreamServerInterceptor{serverMetrics.StreamServerInterceptor(), s.endOnStop, s.gateStream}
 	if s.cfg.EnableGRPCLogging {
 		unary = append(unary, interceptors.UnaryServerInterceptor(payloadLogger(s.lg.Named("grpc"))))
 		stream = append(stream, interceptors.StreamServerInterceptor(payloadLogger(s.lg.Named("grpc"))))
@@ -83,6 +83,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		FreshnessTimeout:       s.cfg.FreshnessTimeout,
 		ConsistentReadFallback: s.cfg.ConsistentReadFallback,
 		MaxForwardedReads:      s.cfg.MaxForwardedReads,
+		MaxCachedReadBytes:     s.cfg.MaxCachedReadBytes,
 		Inconsistent:           s.checker.Fallback,
 		Authorize:              s.authorizeRead,
 	}))

@@ -21,6 +21,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/proxy/grpcproxy"
@@ -51,6 +52,20 @@ const (
 	// the proxy pings every 30 s, because a silently dead connection
 	// would leave its cache stale without any error.
 	defaultDialKeepAliveTime = 30 * time.Second
+)
+
+// Readiness.
+const (
+	// defaultUpstreamLostThreshold is how long the upstream watch may be
+	// down before the proxy reports itself not ready: longer than a watch
+	// takes to resume after an etcd leader election (an election timeout
+	// of 1 s, and the follower's retry pauses of up to 2 s), shorter than
+	// the 10 s period of a Kubernetes readiness probe, so that a lost
+	// upstream is reported within one probe.
+	defaultUpstreamLostThreshold = 5 * time.Second
+	// readinessInterval is how often the gRPC health service is brought in
+	// line with the readiness checks.
+	readinessInterval = 100 * time.Millisecond
 )
 
 // Metrics levels, etcd's --metrics.
@@ -145,6 +160,12 @@ type Config struct {
 
 	// BTreeDegree of the key trees (revtree.DefaultDegree if 0).
 	BTreeDegree int
+	// MaxHistoryBytes bounds the memory of retained history on top of the
+	// live keyspace (--max-history-bytes): past revisions' snapshots and
+	// events, and the flattened-range cache. Past it, the oldest revisions
+	// are dropped; reads of them go to etcd, watches from them catch up
+	// from etcd. revtree.DefaultMaxHistoryBytes if 0; negative: unbounded.
+	MaxHistoryBytes int64
 	// RevisionWait bounds how long a serializable read ahead of the cache
 	// waits for it.
 	RevisionWait time.Duration
@@ -153,6 +174,14 @@ type Config struct {
 	FreshnessTimeout time.Duration
 	// MaxForwardedReads bounds the reads in flight to etcd at once.
 	MaxForwardedReads int
+	// MaxCachedReadBytes bounds the bytes of responses served from the
+	// cache in flight at once (kvproxy.DefaultMaxCachedReadBytes if 0;
+	// negative: no bound).
+	MaxCachedReadBytes int64
+	// UpstreamLostThreshold is how long the upstream watch may be down
+	// before /readyz and the gRPC health service report the proxy not
+	// ready (defaultUpstreamLostThreshold if 0; negative: never).
+	UpstreamLostThreshold time.Duration
 	// BeforeLoadPage is called before each page of a load; tests only.
 	BeforeLoadPage func()
 	// ConsistencyCheckInterval is how often the cache is checked against
@@ -202,6 +231,7 @@ func (cfg Config) withDefaults() Config {
 	orDefault(&cfg.GRPCKeepAliveMinTime, defaultKeepAliveMinTime)
 	orDefault(&cfg.GRPCKeepAliveInterval, defaultKeepAliveInterval)
 	orDefault(&cfg.GRPCKeepAliveTimeout, defaultKeepAliveTimeout)
+	orDefault(&cfg.UpstreamLostThreshold, defaultUpstreamLostThreshold)
 	if cfg.FreshnessTimeout <= 0 {
 		cfg.FreshnessTimeout = kvproxy.DefaultFreshnessTimeout
 	}
@@ -222,6 +252,9 @@ func (cfg Config) withDefaults() Config {
 	}
 	if cfg.Metrics == "" {
 		cfg.Metrics = MetricsBasic
+	}
+	if cfg.MaxHistoryBytes == 0 {
+		cfg.MaxHistoryBytes = revtree.DefaultMaxHistoryBytes
 	}
 	return cfg
 }
@@ -270,6 +303,16 @@ type Server struct {
 	errc     chan error
 	stopping atomic.Bool
 	once     sync.Once
+	// draining is set when Stop begins: the proxy reports itself not
+	// ready while open requests finish.
+	draining atomic.Bool
+	// stopped is done once Stop begins: it ends the streams that never
+	// end by themselves (endOnStop).
+	stopped    context.Context
+	stopStream context.CancelFunc
+	// now closes when StopNow is called: open requests are cut.
+	now     chan struct{}
+	nowOnce sync.Once
 }
 
 // Start dials etcd, starts following it and serves until Stop. It returns
@@ -279,7 +322,8 @@ func Start(cfg Config) (*Server, error) {
 	if len(cfg.Endpoints) == 0 {
 		return nil, errors.New("no upstream etcd endpoints")
 	}
-	s := &Server{cfg: cfg, lg: cfg.Logger, errc: make(chan error, 4), registry: prometheus.NewRegistry()}
+	s := &Server{cfg: cfg, lg: cfg.Logger, errc: make(chan error, 4), registry: prometheus.NewRegistry(), now: make(chan struct{})}
+	s.stopped, s.stopStream = context.WithCancel(context.Background())
 	s.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var err error
 	if s.tls, err = s.servingTLS(); err != nil {
@@ -323,6 +367,7 @@ func Start(cfg Config) (*Server, error) {
 	s.disabledProof = coalesce.New(s.authEnabledNow)
 
 	s.store = revtree.New(cfg.BTreeDegree)
+	s.store.SetMaxHistoryBytes(cfg.MaxHistoryBytes)
 	s.follower = progress.New(progress.Config{
 		Client:                  s.own,
 		Store:                   s.store,
@@ -345,8 +390,8 @@ func Start(cfg Config) (*Server, error) {
 	})
 	s.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "etcd_snapcache_ready",
-		Help: "1 while the cache answers for etcd (loaded, not reloading), as /readyz reports.",
-	}, func() float64 { return boolGauge(s.follower.Serving()) }), prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Help: "1 while the proxy is ready, as /readyz reports: the cache answers for etcd (loaded, not reloading), the upstream watch is not lost, and the proxy is not stopping.",
+	}, func() float64 { return boolGauge(s.notReady() == nil) }), prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "etcd_snapcache_upstream_watch_connected",
 		Help: "1 while the upstream watch that feeds the cache is established.",
 	}, func() float64 { return boolGauge(s.follower.Following()) }))
@@ -395,13 +440,7 @@ func Start(cfg Config) (*Server, error) {
 		<-ctx.Done()
 		s.disabledProof.Stop()
 	})
-	s.run(func() {
-		select {
-		case <-s.follower.Ready():
-			s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
-		case <-ctx.Done():
-		}
-	})
+	s.run(func() { s.followReadiness(ctx) })
 	ok = true
 	// grpc-proxy's words: tooling (etcd's e2e framework) waits for them.
 	s.lg.Info("started gRPC proxy",
@@ -465,18 +504,91 @@ func (s *Server) newHTTPEndpoints() (httpEndpoints, error) {
 		upstreamEPs:  s.client.Endpoints(),
 		self:         s.self,
 		probes: &probes{
-			livez: []probeCheck{{"ping", func() error { return nil }}},
-			readyz: []probeCheck{{"cache", func() error {
-				if !s.follower.Serving() {
-					if err := s.follower.LoadError(); err != nil {
-						return fmt.Errorf("the cache is loading: %w", err)
-					}
-					return errors.New("the cache is loading")
-				}
-				return nil
-			}}},
+			livez:  []probeCheck{{"ping", func() error { return nil }}},
+			readyz: s.readyChecks(),
 		},
 	}, nil
+}
+
+// readyChecks are the checks of /readyz, which the gRPC health service
+// and the ready metric follow too: the cache answers for etcd, the
+// upstream watch that feeds it is not lost, and the proxy is not stopping
+// (Kubernetes' "shutdown" check).
+func (s *Server) readyChecks() []probeCheck {
+	return []probeCheck{
+		{"cache", func() error {
+			switch {
+			case s.follower.Serving():
+				return nil
+			case s.follower.IsReady():
+				return errors.New("the cache is reloading from etcd")
+			}
+			if err := s.follower.LoadError(); err != nil {
+				return fmt.Errorf("the cache is loading: %w", err)
+			}
+			return errors.New("the cache is loading")
+		}},
+		{"upstream", func() error {
+			return upstreamLost(s.follower.NotFollowingSince(), time.Now(), s.cfg.UpstreamLostThreshold)
+		}},
+		{"shutdown", func() error {
+			if s.draining.Load() {
+				return errors.New("process is shutting down")
+			}
+			return nil
+		}},
+	}
+}
+
+// upstreamLost is the upstream check's verdict: an error once the upstream
+// watch has been down (since down, zero while it is up) for longer than
+// threshold (never with threshold 0).
+func upstreamLost(down, now time.Time, threshold time.Duration) error {
+	if down.IsZero() || threshold <= 0 {
+		return nil
+	}
+	if d := now.Sub(down); d > threshold {
+		return fmt.Errorf("the upstream watch has been down for %v (more than %v)", d.Round(time.Millisecond), threshold)
+	}
+	return nil
+}
+
+// notReady is why the proxy is not ready, nil if it is.
+func (s *Server) notReady() error {
+	for _, c := range s.readyChecks() {
+		if err := c.check(); err != nil {
+			return fmt.Errorf("%s: %w", c.name, err)
+		}
+	}
+	return nil
+}
+
+// followReadiness keeps the gRPC health service in line with /readyz
+// until ctx is done, and logs each change.
+func (s *Server) followReadiness(ctx context.Context) {
+	t := time.NewTicker(readinessInterval)
+	defer t.Stop()
+	serving := false
+	loaded := s.follower.Ready() // nil once closed: turn SERVING at once when it is
+	for {
+		err := s.notReady()
+		switch {
+		case err == nil && !serving:
+			s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+			s.lg.Info("ready")
+		case err != nil && serving:
+			s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+			s.lg.Warn("not ready", zap.Error(err))
+		}
+		serving = err == nil
+		select {
+		case <-ctx.Done():
+			return
+		case <-loaded:
+			loaded = nil
+		case <-t.C:
+		}
+	}
 }
 
 func (s *Server) advertiseURLs() []string {
@@ -522,13 +634,21 @@ func (s *Server) Registry() *prometheus.Registry { return s.registry }
 // Err reports a fatal serving error; Stop the server after one.
 func (s *Server) Err() <-chan error { return s.errc }
 
-// Stop stops serving: open RPCs get up to ten seconds to finish, then are
-// cut. It waits for every goroutine the server started.
+// Stop stops serving. First the proxy reports itself not ready (/readyz,
+// the gRPC health service), then it stops gracefully: the streams that
+// never end by themselves (watches, relayed ones included, lease
+// keepalives, election observers) end with etcd's "server stopped", which
+// clients retry elsewhere, and the other open RPCs get up to ten seconds
+// to finish, or until StopNow, before they are cut. It waits for every
+// goroutine the server started.
 func (s *Server) Stop() {
 	s.once.Do(func() {
+		s.draining.Store(true)
 		s.stopping.Store(true)
 		s.health.Shutdown()
-		s.watch.Close() // watch streams never end on their own
+		s.lg.Info("stopping: not ready; ending watch and keepalive streams; open requests get up to " + gracefulStopTimeout.String())
+		s.stopStream()
+		s.watch.Close()
 		stopped := make(chan struct{})
 		go func() {
 			s.grpcServer.GracefulStop()
@@ -537,14 +657,60 @@ func (s *Server) Stop() {
 		t := time.NewTimer(gracefulStopTimeout)
 		select {
 		case <-stopped:
-			t.Stop()
 		case <-t.C:
+			s.lg.Warn("open requests did not finish in time; cutting them")
+			s.grpcServer.Stop()
+			<-stopped
+		case <-s.now:
+			s.lg.Warn("stopping at once; cutting open requests")
 			s.grpcServer.Stop()
 			<-stopped
 		}
+		t.Stop()
 		s.closeAll()
 	})
 }
+
+// StopNow stops as Stop does, except that open RPCs are cut at once; during
+// a Stop, it cuts the RPCs that Stop waits for (a second signal).
+func (s *Server) StopNow() {
+	s.nowOnce.Do(func() { close(s.now) })
+	s.Stop()
+}
+
+// endlessStreams are the streaming methods that never end by themselves.
+var endlessStreams = map[string]bool{
+	"/etcdserverpb.Watch/Watch":          true,
+	"/etcdserverpb.Lease/LeaseKeepAlive": true,
+	"/v3electionpb.Election/Observe":     true,
+}
+
+// endOnStop ends the streams that never end by themselves, relayed ones
+// included, when Stop begins, with etcd's "server stopped" (Unavailable),
+// so that a graceful stop does not wait for them.
+func (s *Server) endOnStop(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	if !endlessStreams[info.FullMethod] {
+		return handler(srv, ss)
+	}
+	ctx, cancel := context.WithCancel(ss.Context())
+	defer cancel()
+	stop := context.AfterFunc(s.stopped, cancel)
+	defer stop()
+	err := handler(srv, &stoppableStream{ServerStream: ss, ctx: ctx})
+	if err != nil && s.stopped.Err() != nil && ss.Context().Err() == nil {
+		return rpctypes.ErrGRPCStopped
+	}
+	return err
+}
+
+// stoppableStream is a server stream whose context also ends when the
+// server stops.
+type stoppableStream struct {
+	grpc.ServerStream
+	ctx context.Context
+}
+
+func (s *stoppableStream) Context() context.Context { return s.ctx }
 
 // closeAll stops what is left after the gRPC server: the HTTP servers, the
 // listeners, the goroutines, and the clients.

@@ -4,6 +4,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io/fs"
 	"math"
 	"net"
 	"net/url"
@@ -20,6 +21,7 @@ import (
 	"go.etcd.io/etcd/client/pkg/v3/srv"
 	"go.etcd.io/etcd/client/pkg/v3/tlsutil"
 	"go.etcd.io/etcd/client/pkg/v3/transport"
+	"go.etcd.io/etcd/server/v3/embed"
 
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
@@ -118,6 +120,8 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "embedded-peer-url", Category: catEmbedded, Value: "http://127.0.0.1:23793", Usage: "peer URL of the embedded etcd"},
 
 			&cli.IntFlag{Name: "btree-degree", Category: catCache, Value: revtree.DefaultDegree, Usage: "B-tree degree of the snapshot trees (memory per revision vs scan speed)"},
+			&cli.Int64Flag{Name: "max-history-bytes", Category: catCache, Value: revtree.DefaultMaxHistoryBytes,
+				Usage: "memory retained history may use on top of the live keyspace (past revisions' snapshots and events, flattened ranges); past it the oldest revisions are dropped and their reads go to etcd (0: unbounded)"},
 			&cli.DurationFlag{Name: "revision-wait", Category: catCache, Value: kvproxy.DefaultRevisionWait,
 				Usage: "how long a read at a revision the cache has not reached waits for it before going to etcd"},
 			&cli.DurationFlag{Name: "consistent-read-timeout", Category: catCache, Value: kvproxy.DefaultFreshnessTimeout,
@@ -126,6 +130,8 @@ func serveCommand() *cli.Command {
 				Usage: "what a linearizable read does when freshness is not proven in time: 'forward' it to etcd, or 'fail' with Unavailable (under overload, falling back multiplies etcd's load)"},
 			&cli.IntFlag{Name: "max-forwarded-reads", Category: catCache, Value: kvproxy.DefaultMaxForwardedReads,
 				Usage: "most reads in flight to etcd at once (forwarded reads wait for a slot, then fail with Unavailable)"},
+			&cli.Int64Flag{Name: "max-cached-read-bytes", Category: catCache, Value: kvproxy.DefaultMaxCachedReadBytes,
+				Usage: "most bytes of responses served from the cache in flight at once (reads wait for room, then fail with Unavailable; a larger one runs alone; 0 disables)"},
 			&cli.DurationFlag{Name: "consistency-check-interval", Category: catCache, Value: hashcheck.DefaultInterval,
 				Usage: "how often to compare a hash of the cache with etcd's at one revision; on a mismatch reads go to etcd until the reloaded cache passes (0 disables)"},
 			&cli.DurationFlag{Name: "compaction-probe-interval", Category: catCache, Value: time.Second,
@@ -152,11 +158,13 @@ func serve(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
+	// Two signals: the first stops gracefully, the second at once.
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	defer signal.Stop(sigs)
 
 	if len(cfg.Endpoints) == 0 {
-		e, err := server.StartEmbedded(server.EmbeddedConfig{
+		e, err := startEmbedded(lg, server.EmbeddedConfig{
 			Dir:       c.String("data-dir"),
 			ClientURL: c.String("embedded-client-url"),
 			PeerURL:   c.String("embedded-peer-url"),
@@ -170,22 +178,70 @@ func serve(c *cli.Context) error {
 		// The data directory is the embedded etcd's; auto-TLS keeps its
 		// certificates beside it.
 		cfg.DataDir = filepath.Dir(c.String("data-dir"))
-		lg.Info("started embedded etcd", zap.String("data-dir", c.String("data-dir")), zap.Strings("endpoints", cfg.Endpoints))
 	}
 
 	srv, err := server.Start(cfg)
 	if err != nil {
 		return err
 	}
+	return serveUntilStopped(lg, c.Context.Done(), sigs, srv)
+}
+
+// stoppable is the running server, as serveUntilStopped stops it.
+type stoppable interface {
+	Stop()
+	StopNow()
+	Err() <-chan error
+}
+
+// serveUntilStopped serves until a signal, the end of done, or a fatal
+// error. A signal stops the server gracefully (Stop: not ready first, then
+// open requests finish); a second signal during that stop cuts them at
+// once (StopNow).
+func serveUntilStopped(lg *zap.Logger, done <-chan struct{}, sigs <-chan os.Signal, srv stoppable) error {
 	select {
-	case <-ctx.Done():
-		lg.Info("shutting down")
-		srv.Stop()
-		return nil
 	case err := <-srv.Err():
 		srv.Stop()
 		return err
+	case <-done:
+		lg.Info("shutting down")
+	case sig := <-sigs:
+		lg.Info("shutting down: not ready, ending streams, letting open requests finish; signal again to stop at once", zap.Stringer("signal", sig))
 	}
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		srv.Stop()
+	}()
+	select {
+	case <-stopped:
+	case sig := <-sigs:
+		lg.Warn("second signal: stopping at once", zap.Stringer("signal", sig))
+		srv.StopNow()
+		<-stopped
+	}
+	return nil
+}
+
+// startEmbedded starts the embedded etcd that serves when no --endpoints
+// is given, and says loudly that it does, and when its data directory is
+// new: a proxy pointed at by production clients must front the real
+// cluster, not a fresh, empty etcd of its own.
+func startEmbedded(lg *zap.Logger, cfg server.EmbeddedConfig) (*embed.Etcd, error) {
+	_, err := os.Stat(filepath.Join(cfg.Dir, "member"))
+	fresh := errors.Is(err, fs.ErrNotExist)
+	lg.Warn("no --endpoints given: serving in front of an etcd embedded in this process, for development only; "+
+		"give --endpoints to front an etcd cluster", zap.String("data-dir", cfg.Dir))
+	if fresh {
+		lg.Warn("the embedded etcd's data directory is new: its keyspace is empty. "+
+			"Do not point kube-apiserver or other clients of a real cluster at this proxy", zap.String("data-dir", cfg.Dir))
+	}
+	e, err := server.StartEmbedded(cfg)
+	if err != nil {
+		return nil, err
+	}
+	lg.Info("started embedded etcd", zap.String("data-dir", cfg.Dir), zap.String("endpoint", server.EmbeddedEndpoint(e)), zap.Bool("new-data-dir", fresh))
+	return e, nil
 }
 
 // serverConfig checks every flag, as grpc-proxy does before it starts, and
@@ -234,6 +290,13 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 	if forwardMembers {
 		advertise = nil
 	}
+	maxHistoryBytes := c.Int64("max-history-bytes")
+	switch {
+	case maxHistoryBytes < 0:
+		return server.Config{}, fmt.Errorf("--max-history-bytes %d: want a byte count, or 0 for no bound", maxHistoryBytes)
+	case maxHistoryBytes == 0:
+		maxHistoryBytes = -1 // the server's 0 is the default
+	}
 	if c.Bool("experimental-serializable-ordering") {
 		lg.Info("--experimental-serializable-ordering is ignored: serializable reads come from the cache, whose revision never goes back")
 	}
@@ -271,10 +334,12 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 		EnableGRPCLogging:           c.Bool("experimental-enable-grpc-logging"),
 		Metrics:                     metrics,
 		BTreeDegree:                 c.Int("btree-degree"),
+		MaxHistoryBytes:             maxHistoryBytes,
 		RevisionWait:                c.Duration("revision-wait"),
 		FreshnessTimeout:            c.Duration("consistent-read-timeout"),
 		ConsistentReadFallback:      fallback,
 		MaxForwardedReads:           c.Int("max-forwarded-reads"),
+		MaxCachedReadBytes:          noBoundIfZero(c.Int64("max-cached-read-bytes")),
 		ConsistencyCheckInterval:    disabledIfZero(c.Duration("consistency-check-interval")),
 		CompactionProbeInterval:     c.Duration("compaction-probe-interval"),
 		LoadRetainedHistory:         c.Bool("load-retained-history"),
@@ -293,6 +358,15 @@ func progressOverride(c *cli.Context) time.Duration {
 		return c.Duration("watch-progress-notify-interval")
 	}
 	return 0
+}
+
+// noBoundIfZero maps a flag's 0 (no bound) to the server's negative (its 0
+// means the default).
+func noBoundIfZero(n int64) int64 {
+	if n == 0 {
+		return -1
+	}
+	return n
 }
 
 // disabledIfZero maps a flag's 0 (disabled) to the server's negative (its
