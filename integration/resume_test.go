@@ -312,3 +312,46 @@ func TestFutureRevisionPromptWhenIdle(t *testing.T) {
 	c.waitSynced(t)
 	check("after one more write")
 }
+
+// TestResumeAtNextAfterCompactionAtNext: while the proxy is cut off, etcd
+// compacts exactly at the revision after the cache's. The cache still holds
+// every revision below the compaction, so the proxy resumes from the next
+// revision instead of reloading, and its watchers go on.
+func TestResumeAtNextAfterCompactionAtNext(t *testing.T) {
+	c := newCluster(t, clusterOptions{relay: true})
+	writeSome(t, c, "n/", 5)
+	c.waitSynced(t)
+	before := c.proxy.Store().Rev()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	wc := c.viaProxy.Watch(ctx, "r/", clientv3.WithPrefix(), clientv3.WithRev(before+1))
+
+	c.cut(t)
+	next := writeDirect(t, c, 1)
+	if next != before+1 {
+		t.Fatalf("wrote at %d, want %d", next, before+1)
+	}
+	if _, err := c.direct.Compact(context.Background(), next); err != nil {
+		t.Fatal(err)
+	}
+	after := writeDirect(t, c, 3)
+	c.relay.Restore()
+	c.waitSynced(t)
+	if n := c.proxyMetric(t, mReloads, nil); n != 0 {
+		t.Fatalf("%v reloads; a compaction at the revision after the cache's needs none", n)
+	}
+	if n := c.proxyMetric(t, "etcd_snapcache_timeline_changes_total", nil); n != 0 {
+		t.Fatalf("%v timeline changes counted", n)
+	}
+	if c.proxy.Store().Rev() < after {
+		t.Fatalf("cache at %d, want %d", c.proxy.Store().Rev(), after)
+	}
+	select {
+	case resp := <-wc:
+		if resp.Canceled || resp.CompactRevision != 0 {
+			t.Fatalf("the watcher was ended: %+v", resp)
+		}
+	case <-time.After(waitTimeout):
+		t.Fatal("the watcher got nothing")
+	}
+}

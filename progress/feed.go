@@ -84,11 +84,17 @@ func (f *Follower) feed(ctx context.Context) {
 			f.loading.Store(false)
 			f.readyAt(target)
 		}
-		err := f.follow(ctx, bo, true, resumed)
+		err := f.follow(ctx, bo, true, resumed, false)
 		if errors.Is(err, errBehindHead) && ctx.Err() == nil {
 			// etcd moved on since the store's revision: follow from
 			// there, as an unsynced watcher that etcd catches up.
-			err = f.follow(ctx, bo, false, resumed)
+			err = f.follow(ctx, bo, false, resumed, false)
+		}
+		if errors.Is(err, errCompactedAtNext) && ctx.Err() == nil {
+			// etcd compacted exactly past the store's revision: the store
+			// holds every revision below the compaction, so a watch from
+			// the next one continues it, where a reload would start over.
+			err = f.follow(ctx, bo, false, resumed, true)
 		}
 		resumed = true
 		if ctx.Err() != nil {
@@ -145,6 +151,7 @@ func (f *Follower) load(ctx context.Context, history bool) (int64, error) {
 	if history {
 		loadRev = max(compactRev, 1)
 	}
+	f.unloadForLoad()
 	kvs, err := f.rangeAll(ctx, loadRev)
 	if err != nil {
 		return 0, err
@@ -220,7 +227,11 @@ var errBehindHead = errors.New("etcd's head is past the store's revision")
 // A resumed watch is followed only once etcd's history is verified to be
 // the store's (verifyResume); then the stream counts as verified for read
 // fences until it ends.
-func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead, resumed bool) error {
+//
+// With next, the watch starts at the revision after the store's: etcd
+// compacted exactly there (errCompactedAtNext), so the store's own
+// revision can no longer be watched, nor its history compared.
+func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead, resumed, next bool) error {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
 	f.mu.Lock()
@@ -243,8 +254,11 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead, re
 		return fmt.Errorf("opening the upstream watch: %w", err)
 	}
 	startRev, createRev := f.store.Rev(), f.store.Rev()
-	if fromHead {
+	switch {
+	case fromHead:
 		createRev = 0
+	case next:
+		createRev = startRev + 1
 	}
 	err = stream.Send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CreateRequest{CreateRequest: &pb.WatchCreateRequest{
 		Key:            wholeKey,
@@ -293,6 +307,8 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead, re
 		}
 		f.observeHeader(resp.Header)
 		switch {
+		case resp.CompactRevision == startRev+1 && !next && !fromHead:
+			return errCompactedAtNext
 		case resp.CompactRevision != 0:
 			// The resume revision was compacted while we were away, or
 			// etcd was restored with --mark-compacted: either way every
@@ -307,12 +323,14 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead, re
 			return errBehindHead
 		case resp.Created:
 			if resumed {
-				if err := f.verifyResume(wctx, startRev); err != nil {
+				if err := f.verifyResume(wctx, startRev, next); err != nil {
 					switch {
 					case errors.Is(err, errTimeline):
 						return &reloadError{reason: "timeline", err: err}
 					case errors.Is(err, errCompactedResume):
 						return &reloadError{reason: "compacted", err: err}
+					case errors.Is(err, errCompactedAtNext) && !next:
+						return err
 					}
 					return err
 				}

@@ -41,6 +41,9 @@ import (
 var (
 	errTimeline        = errors.New("etcd's history is not the cache's")
 	errCompactedResume = errors.New("etcd compacted past the cache's revision")
+	// errCompactedAtNext: etcd compacted exactly at the revision after the
+	// store's, which a watch from there continues.
+	errCompactedAtNext = errors.New("etcd compacted at the revision after the cache's")
 )
 
 // timeline holds what the proxy knows of the history it follows.
@@ -150,8 +153,9 @@ func reloadReasonFor(sign string) string {
 
 // verifyResume compares etcd's history with the store's at rev before a
 // resumed watch is followed: a quorum read's head, then, if configured,
-// every key's mod revision at rev.
-func (f *Follower) verifyResume(ctx context.Context, rev int64) error {
+// every key's mod revision at rev. With next (etcd compacted at rev+1),
+// rev cannot be read in etcd any more, and only the head is compared.
+func (f *Follower) verifyResume(ctx context.Context, rev int64, next bool) error {
 	w := f.witness()
 	resp, err := f.kv.Range(ctx, &pb.RangeRequest{Key: probeKey, CountOnly: true})
 	if err != nil {
@@ -162,7 +166,12 @@ func (f *Follower) verifyResume(ctx context.Context, rev int64) error {
 	if f.timeline.pending.Load() {
 		return errTimeline
 	}
-	if c := f.store.CompactRev(); c > rev {
+	if next {
+		return nil
+	}
+	if c := f.store.CompactRev(); c == rev+1 {
+		return errCompactedAtNext
+	} else if c > rev {
 		// etcd compacted past the store's revision while the watch was
 		// away (the probe mirrored it): the resume is refused too.
 		f.timelineChanged("compacted-resume", fmt.Errorf("etcd compacted at %d, past the cache's revision %d", c, rev))
@@ -174,6 +183,9 @@ func (f *Follower) verifyResume(ctx context.Context, rev int64) error {
 	same, err := f.cfg.VerifyHistory(ctx, rev)
 	switch {
 	case etcderr.Is(err, rpctypes.ErrCompacted):
+		if ok, rerr := f.compaction.readable(ctx, rev+1); rerr == nil && ok {
+			return errCompactedAtNext
+		}
 		// Compacted past the store's revision while away: the resume is
 		// refused too, and every watcher etcd would cancel is behind it.
 		f.timelineChanged("compacted-resume", err)
