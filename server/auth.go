@@ -145,13 +145,15 @@ func (s *Server) tokenIdentity(ctx context.Context, token string, chk *authcache
 	return authcache.Identity{}, kvproxy.ErrAskEtcd
 }
 
-// verifyToken shows the caller's token to etcd with the cheapest request
-// etcd checks it for, a serializable count of one key: etcd's answer
+// verifyToken shows the caller's token to etcd with a cheap request etcd
+// checks it for, a count of one key: etcd's answer
 // tells whether the token is valid (watchTokens records it), and, being a
 // use, keeps a simple token alive in etcd. An invalid token gets etcd's
-// error; any other failure leaves the judgement to etcd.
+// error; any other failure leaves the judgement to etcd. The count is
+// linearizable: when the upstream is another proxy, a serializable one
+// could be answered from that proxy's cache, at its older auth state.
 func (s *Server) verifyToken(ctx context.Context) error {
-	_, err := s.probeKV.Range(ctx, &pb.RangeRequest{Key: authProbeKey, CountOnly: true, Serializable: true})
+	_, err := s.probeKV.Range(ctx, &pb.RangeRequest{Key: authProbeKey, CountOnly: true})
 	switch e := rpctypes.Error(err); {
 	case err == nil, errors.Is(e, rpctypes.ErrPermissionDenied):
 		return nil
@@ -424,8 +426,10 @@ func certCommonName(file string) (string, error) {
 }
 
 // authEnabledProbe is a cheap test of whether etcd has auth enabled: a
-// serializable count-only read of one key by an anonymous caller, which
-// etcd refuses exactly while auth is enabled (refusedByAuth). It
+// count-only read of one key by an anonymous caller, which etcd refuses
+// exactly while auth is enabled (refusedByAuth). It is linearizable, so
+// that an upstream proxy cannot answer it from its cache at an older auth
+// state (a read index for etcd). It
 // is anonymous only without a certificate identity, so there is none with
 // one.
 func (s *Server) authEnabledProbe() func(ctx context.Context) (bool, error) {
@@ -434,7 +438,7 @@ func (s *Server) authEnabledProbe() func(ctx context.Context) (bool, error) {
 	}
 	kv := pb.NewKVClient(s.client.ActiveConnection())
 	return func(ctx context.Context) (bool, error) {
-		_, err := kv.Range(ctx, &pb.RangeRequest{Key: authProbeKey, CountOnly: true, Serializable: true})
+		_, err := kv.Range(ctx, &pb.RangeRequest{Key: authProbeKey, CountOnly: true})
 		return refusedByAuth(err)
 	}
 }
