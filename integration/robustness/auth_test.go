@@ -61,7 +61,7 @@ func TestRobustnessAuth(t *testing.T) {
 		t.Run(sc.name, func(t *testing.T) {
 			for _, f := range []fault{cutUpstream, restartEtcd} {
 				t.Run(f.String(), func(t *testing.T) {
-					testRobustness(t, sc.traffic, f, true)
+					testRobustness(t, sc.traffic, f, options{auth: true})
 				})
 			}
 		})
@@ -169,6 +169,13 @@ func persistedRequests(t *testing.T, lg *zap.Logger, dataDir string, auth bool) 
 			blanked++
 		}
 	}
+	t.Logf("WAL: %d entries, %d auth requests left out", len(ents), blanked)
+	return persistedFromEntries(t, lg, state, ents)
+}
+
+// persistedFromEntries returns the requests report.PersistedRequests reads
+// from a WAL of ents under state, written into a new data directory.
+func persistedFromEntries(t *testing.T, lg *zap.Logger, state *raftpb.HardState, ents []*raftpb.Entry) ([]model.EtcdRequest, error) {
 	dir := t.TempDir()
 	w, err := wal.Create(lg, datadir.ToWALDir(dir), nil)
 	if err != nil {
@@ -179,9 +186,8 @@ func persistedRequests(t *testing.T, lg *zap.Logger, dataDir string, auth bool) 
 		err = cerr
 	}
 	if err != nil {
-		return nil, fmt.Errorf("writing the WAL without auth requests: %w", err)
+		return nil, fmt.Errorf("writing a copy of the WAL: %w", err)
 	}
-	t.Logf("WAL: %d entries, %d auth requests left out", len(ents), blanked)
 	return report.PersistedRequests(lg, []string{dir})
 }
 

@@ -10,6 +10,20 @@
 // user's clients reach the proxy through a token front that adds the
 // user's token to every call (auth_test.go).
 //
+// TestRobustnessHistoryBudget runs them with the proxy's history budget
+// (--max-history-bytes) a small fraction of what the run writes, so that
+// history is trimmed throughout (budget_test.go).
+//
+// TestRobustnessRestore replaces etcd, under the running traffic, by one
+// restored from a snapshot taken a second earlier (etcdutl snapshot
+// restore --bump-revision --mark-compacted), which loses acknowledged
+// writes. No single etcd history explains such a run, so it is validated as
+// the two it is made of: the old etcd's answers with its WAL, and the
+// restored etcd's with the snapshot's requests and its own WAL, the bump
+// taken out of its revisions; no answer may mix them, every watch open
+// across the restore must end as compacted, and afterwards the proxy must
+// answer every revision as the restored etcd does (restore_test.go).
+//
 // It is a separate module because the framework pulls heavy dependencies
 // that the proxy itself does not need. Run it with
 //

@@ -94,6 +94,11 @@ const (
 	// and starts it again on the same data directory and URLs; the proxy
 	// reconnects to the same address by itself, through the relay.
 	restartEtcd
+	// restoreEtcd snapshots etcd, lets acknowledged writes follow, then
+	// replaces etcd by one restored from the snapshot (with
+	// --bump-revision --mark-compacted) at the same URLs: writes are lost,
+	// and the run is validated as two histories (restore_test.go).
+	restoreEtcd
 )
 
 func (f fault) String() string {
@@ -102,6 +107,8 @@ func (f fault) String() string {
 		return "CutUpstream"
 	case restartEtcd:
 		return "RestartEtcd"
+	case restoreEtcd:
+		return "RestoreEtcd"
 	}
 	return fmt.Sprintf("fault(%d)", int(f))
 }
@@ -125,7 +132,7 @@ func TestRobustness(t *testing.T) {
 		t.Run(sc.name, func(t *testing.T) {
 			for _, f := range []fault{cutUpstream, restartEtcd} {
 				t.Run(f.String(), func(t *testing.T) {
-					testRobustness(t, sc.traffic, f, false)
+					testRobustness(t, sc.traffic, f, options{})
 				})
 			}
 		})
@@ -145,6 +152,9 @@ func withRequestTimeout(t *testing.T) {
 // env is an embedded etcd with the proxy in front of it, through a relay.
 type env struct {
 	dataDir string
+	// snapshotPath and restoredDir are where the restore fault saves
+	// etcd's snapshot and restores it; restoredDir stays empty otherwise.
+	snapshotPath, restoredDir string
 	// etcdConfig starts etcd, at the start and on a restart: the same
 	// data directory and the same client and peer URLs.
 	etcdConfig server.EmbeddedConfig
@@ -164,9 +174,10 @@ type env struct {
 	stopped bool
 }
 
-func newEnv(t *testing.T, lg *zap.Logger, auth bool) *env {
+func newEnv(t *testing.T, lg *zap.Logger, opts options) *env {
 	t.Helper()
-	en := &env{dataDir: t.TempDir()}
+	en := &env{dataDir: t.TempDir(), restoredDir: t.TempDir()}
+	en.snapshotPath = filepath.Join(t.TempDir(), "snapshot.db")
 	// Fixed ports rather than 0, so that a restarted etcd has the same
 	// configuration and listens where the relay dials.
 	en.etcdConfig = server.EmbeddedConfig{
@@ -181,7 +192,7 @@ func newEnv(t *testing.T, lg *zap.Logger, auth bool) *env {
 	}
 	en.etcd = e
 	t.Cleanup(en.stop)
-	if auth {
+	if opts.auth {
 		setUpAuth(t, e)
 	}
 	// The relay holds the connections made during a cut (see faultFor).
@@ -194,16 +205,17 @@ func newEnv(t *testing.T, lg *zap.Logger, auth bool) *env {
 		// e2e.WithWatchProcessNotifyInterval(100ms); the proxy serves
 		// the watches, so the interval is the proxy's.
 		WatchProgressNotifyInterval: 100 * time.Millisecond,
+		MaxHistoryBytes:             opts.maxHistoryBytes,
 		Logger:                      lg.Named("proxy"),
 	}
-	if auth {
+	if opts.auth {
 		cfg.User, cfg.Password = rootUser, rootPassword
 	}
 	en.proxy = proxytest.StartProxy(t, cfg)
 	en.trafficEndpoints = []string{en.proxy.Addr()}
 	en.watchEndpoints = en.trafficEndpoints
 	en.compactEndpoints = en.trafficEndpoints
-	if auth {
+	if opts.auth {
 		en.trafficFront = newTokenFront(t, en.proxy.Addr(), trafficUser, trafficPassword)
 		en.watchFront = newTokenFront(t, en.proxy.Addr(), watchUser, watchPassword)
 		en.compactFront = newTokenFront(t, en.proxy.Addr(), rootUser, rootPassword)
@@ -258,7 +270,18 @@ func (en *env) restartEtcd() (closing time.Duration, err error) {
 	return closing, nil
 }
 
-func testRobustness(t *testing.T, tf traffic.Traffic, f fault, auth bool) {
+// options vary a run of testRobustness.
+type options struct {
+	// auth runs etcd with auth enabled (TestRobustnessAuth).
+	auth bool
+	// maxHistoryBytes is the proxy's history budget
+	// (server.Config.MaxHistoryBytes); 0 is the default budget, which a
+	// run never reaches. A budget the run passes many times over requires
+	// history to have been trimmed (TestRobustnessHistoryBudget).
+	maxHistoryBytes int64
+}
+
+func testRobustness(t *testing.T, tf traffic.Traffic, f fault, opts options) {
 	// The framework's own logs at info; etcd's and the proxy's at warn
 	// (they log every broken connection and retry during the fault).
 	lg := zaptest.NewLogger(t, zaptest.Level(zap.InfoLevel))
@@ -266,9 +289,13 @@ func testRobustness(t *testing.T, tf traffic.Traffic, f fault, auth bool) {
 		// clientv3 logs every failed attempt of a forwarded call.
 		return dropLogger{Core: c, name: "proxy.upstream"}
 	})))
-	en := newEnv(t, quiet, auth)
+	en := newEnv(t, quiet, opts)
 
-	r, err := report.NewTestReport(lg, resultsDirectory(t), map[string]string{"etcd": en.dataDir},
+	dataDirs := map[string]string{"etcd": en.dataDir}
+	if f == restoreEtcd {
+		dataDirs["etcd-restored"] = en.restoredDir
+	}
+	r, err := report.NewTestReport(lg, resultsDirectory(t), dataDirs,
 		&report.TrafficDetail{ExpectUniqueRevision: tf.ExpectUniqueRevision()})
 	if err != nil {
 		t.Fatal(err)
@@ -283,27 +310,57 @@ func testRobustness(t *testing.T, tf traffic.Traffic, f fault, auth bool) {
 
 	rec := record(t, lg, en, tf, f)
 	r.SetClientReports(rec.reports)
+	if f == restoreEtcd {
+		compareAfterRestore(t, en, rec)
+	}
 
 	// The proxy's metrics show that the proxy, not etcd, answered reads,
 	// and that the fault and the compactions reached it.
 	m := gatherCounters(t, en)
 	en.stop()
-	if auth {
+	if opts.auth {
 		t.Logf("token fronts: %v; %v; %v", en.trafficFront, en.watchFront, en.compactFront)
 	}
 
-	persisted, err := persistedRequests(t, lg, en.dataDir, auth)
+	persisted, err := persistedRequests(t, lg, en.dataDir, opts.auth)
 	if err != nil {
 		t.Fatalf("reading etcd's WAL: %v", err)
 	}
 	checkCoverage(t, rec, m, persisted)
+	if opts.maxHistoryBytes > 0 {
+		checkTrimmed(t, m)
+	}
 
+	var result validate.RobustnessResult
+	if f == restoreEtcd {
+		result = validateRestore(t, lg, en, tf, rec, persisted)
+	} else {
+		result = validateHistory(t, lg, "", tf, rec.reports, persisted)
+	}
+	// LinearizationResult.Visualize draws only successful linearizations;
+	// a failed one is the one worth looking at.
+	r.SetVisualizer(func(lg *zap.Logger, path string) error {
+		lg.Info("Saving visualization", zap.String("path", path))
+		return porcupine.VisualizePath(result.Linearization.Model, result.Linearization.Info, path)
+	})
+	panicked = false
+}
+
+// validateHistory runs every validation of the framework over reports
+// and the requests persisted in etcd's WAL, and fails the test for each
+// that does not succeed; segment, if set, names the part of the run they
+// cover.
+func validateHistory(t *testing.T, lg *zap.Logger, segment string, tf traffic.Traffic, reports []report.ClientReport, persisted []model.EtcdRequest) validate.RobustnessResult {
+	t.Helper()
+	if segment != "" {
+		segment += ": "
+	}
 	start := time.Now()
 	result := validate.ValidateAndReturnVisualize(lg,
 		validate.Config{ExpectRevisionUnique: tf.ExpectUniqueRevision()},
-		rec.reports, persisted, validationTimeout)
-	t.Logf("validation took %v: assumptions=%s linearization=%s watch=%s serializable=%s",
-		time.Since(start).Round(time.Millisecond), result.Assumptions, result.Linearization.Result,
+		reports, persisted, validationTimeout)
+	t.Logf("%svalidation took %v: assumptions=%s linearization=%s watch=%s serializable=%s",
+		segment, time.Since(start).Round(time.Millisecond), result.Assumptions, result.Linearization.Result,
 		result.Watch, result.Serializable)
 	for _, c := range []struct {
 		name string
@@ -315,19 +372,13 @@ func testRobustness(t *testing.T, tf traffic.Traffic, f fault, auth bool) {
 		{"serializable", result.Serializable},
 	} {
 		if c.res.Status != validate.Success {
-			t.Errorf("%s validation: want %s, got %s", c.name, validate.Success, describe(c.res))
+			t.Errorf("%s%s validation: want %s, got %s", segment, c.name, validate.Success, describe(c.res))
 		}
 	}
 	if result.Linearization.Status != validate.Success {
-		explainLinearization(t, rec.reports, persisted)
+		explainLinearization(t, reports, persisted)
 	}
-	// LinearizationResult.Visualize draws only successful linearizations;
-	// a failed one is the one worth looking at.
-	r.SetVisualizer(func(lg *zap.Logger, path string) error {
-		lg.Info("Saving visualization", zap.String("path", path))
-		return porcupine.VisualizePath(result.Linearization.Model, result.Linearization.Info, path)
-	})
-	panicked = false
+	return result
 }
 
 func rangeString(r *model.RangeRequest) string {
@@ -430,6 +481,10 @@ type recording struct {
 	// fault.
 	reconnected time.Duration
 	maxRevision int64
+	// collectors are the clients of the watches that collect every event.
+	collectors []int
+	// restore is what the restore fault did (restoreEtcd).
+	restore *restoreRecord
 }
 
 // record drives the traffic through the proxy, as the framework's
@@ -479,6 +534,9 @@ func record(t *testing.T, lg *zap.Logger, en *env, tf traffic.Traffic, f fault) 
 		t.Fatal(err)
 	}
 	rec.reports = slices.Concat(trafficSet.Reports(), watchSet.Reports())
+	for _, r := range watchSet.Reports() {
+		rec.collectors = append(rec.collectors, r.ClientID)
+	}
 
 	kv := traffic.CalculateStats(rec.reports, rec.start, rec.end)
 	before := traffic.CalculateStats(rec.reports, rec.start, rec.faultStart)
@@ -490,7 +548,7 @@ func record(t *testing.T, lg *zap.Logger, en *env, tf traffic.Traffic, f fault) 
 		recovered = fmt.Sprintf("%v after the end of the fault", (at - rec.faultEnd).Round(time.Millisecond))
 	}
 	closing := ""
-	if rec.fault == restartEtcd {
+	if rec.fault == restartEtcd || rec.fault == restoreEtcd {
 		closing = fmt.Sprintf(" (etcd took %v to close)", rec.etcdClose.Round(time.Millisecond))
 	}
 	t.Logf("%v from %v to %v%s: %d upstream connections cut; the proxy reached etcd %v after the end of the fault; first write acknowledged %s; %d writes failed (outcome unknown to the client)",
@@ -595,6 +653,22 @@ func simulateTraffic(ctx context.Context, lg *zap.Logger, en *env, endpoints []s
 			return err
 		}
 		lg.Info("Restarted etcd", zap.Duration("close", rec.etcdClose))
+	case restoreEtcd:
+		// The fault's watches end with the restore; stop ends them
+		// otherwise.
+		var watches sync.WaitGroup
+		watchCtx, cancelWatches := context.WithCancel(ctx)
+		stop = func() {
+			close(finish)
+			wg.Wait()
+			cancelWatches()
+			watches.Wait()
+		}
+		if err := injectRestore(ctx, watchCtx, &watches, lg, en, endpoints, clientSet, rec, phase); err != nil {
+			stop()
+			return err
+		}
+		ok = ok && ctx.Err() == nil
 	}
 	rec.faultEnd = time.Since(clientSet.BaseTime())
 	// Traffic goes on while a read that does not enter the history waits
