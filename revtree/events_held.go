@@ -10,25 +10,5 @@ package revtree
 func (s *Store) EventsHeld(from, upTo int64, max int) ([]Batch, int64, error) {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	switch {
-	case !s.loaded:
-		return nil, 0, ErrNotLoaded
-	case from < s.historyStartLocked():
-		return nil, 0, ErrNotRetained
-	}
-	upTo = min(upTo, s.rev)
-	var out []Batch
-	complete := upTo
-	s.snapshots.AscendRange(&snapshot{rev: from}, &snapshot{rev: upTo + 1}, func(sn *snapshot) bool {
-		if sn.events == nil {
-			return true
-		}
-		if max > 0 && len(out) == max {
-			complete = out[len(out)-1].Rev
-			return false
-		}
-		out = append(out, Batch{Rev: sn.rev, Events: sn.events})
-		return true
-	})
-	return out, complete, nil
+	return s.eventsLocked(from, upTo, max)
 }

@@ -506,11 +506,18 @@ type Batch struct {
 func (s *Store) EventsFrom(from, upTo int64, max int) ([]Batch, int64, error) {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
+	if s.loaded && from < s.compactRev {
+		return nil, 0, ErrCompacted
+	}
+	return s.eventsLocked(from, upTo, max)
+}
+
+// eventsLocked is EventsFrom and EventsHeld without the compaction check;
+// s.mu is held.
+func (s *Store) eventsLocked(from, upTo int64, max int) ([]Batch, int64, error) {
 	switch {
 	case !s.loaded:
 		return nil, 0, ErrNotLoaded
-	case from < s.compactRev:
-		return nil, 0, ErrCompacted
 	case from < s.historyStartLocked():
 		return nil, 0, ErrNotRetained
 	}

@@ -30,7 +30,6 @@ import (
 	"go.etcd.io/etcd/server/v3/storage/wal"
 	"go.etcd.io/etcd/tests/v3/robustness/model"
 	"go.etcd.io/etcd/tests/v3/robustness/report"
-	"go.etcd.io/etcd/tests/v3/robustness/traffic"
 	"go.etcd.io/raft/v3/raftpb"
 )
 
@@ -51,13 +50,7 @@ import (
 // both renew theirs.
 func TestRobustnessAuth(t *testing.T) {
 	withRequestTimeout(t)
-	for _, sc := range []struct {
-		name    string
-		traffic traffic.Traffic
-	}{
-		{"Kubernetes", traffic.Kubernetes},
-		{"EtcdPutDeleteLease", traffic.EtcdPutDeleteLease},
-	} {
+	for _, sc := range scenarios {
 		t.Run(sc.name, func(t *testing.T) {
 			for _, f := range []fault{cutUpstream, restartEtcd} {
 				t.Run(f.String(), func(t *testing.T) {

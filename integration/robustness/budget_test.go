@@ -2,8 +2,6 @@ package robustness
 
 import (
 	"testing"
-
-	"go.etcd.io/etcd/tests/v3/robustness/traffic"
 )
 
 // historyBudget is the proxy's history budget in
@@ -28,13 +26,7 @@ const historyBudget = 4 << 10
 // is TestRobustness's concern, not the budget's.
 func TestRobustnessHistoryBudget(t *testing.T) {
 	withRequestTimeout(t)
-	for _, sc := range []struct {
-		name    string
-		traffic traffic.Traffic
-	}{
-		{"Kubernetes", traffic.Kubernetes},
-		{"EtcdPutDeleteLease", traffic.EtcdPutDeleteLease},
-	} {
+	for _, sc := range scenarios {
 		t.Run(sc.name, func(t *testing.T) {
 			testRobustness(t, sc.traffic, cutUpstream, options{maxHistoryBytes: historyBudget})
 		})

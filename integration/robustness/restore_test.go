@@ -63,13 +63,7 @@ const (
 // etcd does (compareAfterRestore).
 func TestRobustnessRestore(t *testing.T) {
 	withRequestTimeout(t)
-	for _, sc := range []struct {
-		name    string
-		traffic traffic.Traffic
-	}{
-		{"Kubernetes", traffic.Kubernetes},
-		{"EtcdPutDeleteLease", traffic.EtcdPutDeleteLease},
-	} {
+	for _, sc := range scenarios {
 		t.Run(sc.name, func(t *testing.T) {
 			testRobustness(t, sc.traffic, restoreEtcd, options{})
 		})

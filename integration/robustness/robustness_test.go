@@ -113,6 +113,17 @@ func (f fault) String() string {
 	return fmt.Sprintf("fault(%d)", int(f))
 }
 
+// scenarios are the framework's traffics every test runs: Kubernetes-shaped
+// (kube-apiserver's reads, writes and watches) and etcd-shaped (puts,
+// deletes and leases).
+var scenarios = []struct {
+	name    string
+	traffic traffic.Traffic
+}{
+	{"Kubernetes", traffic.Kubernetes},
+	{"EtcdPutDeleteLease", traffic.EtcdPutDeleteLease},
+}
+
 // TestRobustness records Kubernetes-shaped and etcd-shaped traffic through
 // the proxy with etcd's robustness framework, with compactions, watches and
 // a fault (a cut of the proxy's upstream connection, or a restart of etcd),
@@ -122,13 +133,7 @@ func (f fault) String() string {
 // WAL.
 func TestRobustness(t *testing.T) {
 	withRequestTimeout(t)
-	for _, sc := range []struct {
-		name    string
-		traffic traffic.Traffic
-	}{
-		{"Kubernetes", traffic.Kubernetes},
-		{"EtcdPutDeleteLease", traffic.EtcdPutDeleteLease},
-	} {
+	for _, sc := range scenarios {
 		t.Run(sc.name, func(t *testing.T) {
 			for _, f := range []fault{cutUpstream, restartEtcd} {
 				t.Run(f.String(), func(t *testing.T) {
