@@ -2,19 +2,10 @@ package integration
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"io"
-	"math/big"
-	"net"
 	"net/http"
 	"net/url"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -190,52 +181,26 @@ type testPKI struct {
 	client func(commonName string) (cert, key string)
 }
 
-// newTestPKI writes a CA, a server certificate for 127.0.0.1 and a client
-// certificate with common name "client", all signed by the CA, into dir.
+// newTestPKI writes a CA, a server certificate for 127.0.0.1 (a client
+// certificate too, as etcd's fixtures: grpc-proxy and the proxy present it
+// to themselves) and a client certificate with common name "client", all
+// signed by the CA, into dir.
 func newTestPKI(t *testing.T, dir string) testPKI {
 	t.Helper()
-	caKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	caTmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test-ca"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca, _ := x509.ParseCertificate(caDER)
-	write := func(name, typ string, der []byte) string {
-		path := filepath.Join(dir, name)
-		if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
-			t.Fatal(err)
+	pki := testsupport.NewPKI(t)
+	p := testPKI{ca: filepath.Join(dir, "ca.crt")}
+	pki.WriteCA(t, p.ca)
+	pair := func(cn string, usage testsupport.Usage) (string, string) {
+		name := cn
+		if name == "" {
+			name = "no-cn"
 		}
-		return path
+		cert, key := filepath.Join(dir, name+".crt"), filepath.Join(dir, name+".key")
+		pki.WritePair(t, cn, usage, cert, key)
+		return cert, key
 	}
-	leaf := func(name string, serial int64, usage ...x509.ExtKeyUsage) (string, string) {
-		key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-		tmpl := &x509.Certificate{
-			SerialNumber: big.NewInt(serial), Subject: pkix.Name{CommonName: name},
-			NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-			KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: usage,
-			IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
-		}
-		der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
-		if err != nil {
-			t.Fatal(err)
-		}
-		keyDER, _ := x509.MarshalECPrivateKey(key)
-		return write(name+".crt", "CERTIFICATE", der), write(name+".key", "EC PRIVATE KEY", keyDER)
-	}
-	p := testPKI{ca: write("ca.crt", "CERTIFICATE", caDER)}
-	// As etcd's fixtures, the server certificate is a client certificate
-	// too: grpc-proxy and the proxy present it to themselves.
-	p.serverCert, p.serverKey = leaf("server", 2, x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth)
-	p.clientCert, p.clientKey = leaf("client", 3, x509.ExtKeyUsageClientAuth)
-	serial := int64(3)
-	p.client = func(cn string) (string, string) {
-		serial++
-		return leaf(cn, serial, x509.ExtKeyUsageClientAuth)
-	}
+	p.serverCert, p.serverKey = pair("server", testsupport.Server|testsupport.Client)
+	p.clientCert, p.clientKey = pair("client", testsupport.Client)
+	p.client = func(cn string) (string, string) { return pair(cn, testsupport.Client) }
 	return p
 }
