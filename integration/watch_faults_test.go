@@ -37,9 +37,9 @@ func prefixWatch(prefix string, start int64, prevKV bool) *pb.WatchCreateRequest
 // canceled, and get exactly etcd's events. A watch that starts below the
 // compaction is canceled, as etcd cancels it.
 func TestWatchCompactionAboveHeadKeepsSyncedWatchers(t *testing.T) {
-	var relay *testsupport.StallRelay
+	var relay *testsupport.Relay
 	c := newCluster(t, clusterOptions{configure: func(cfg *server.Config) {
-		relay = testsupport.NewStallRelay(t, strings.TrimPrefix(cfg.Endpoints[0], "http://"))
+		relay = testsupport.NewRelay(t, strings.TrimPrefix(cfg.Endpoints[0], "http://"))
 		cfg.Endpoints = []string{"http://" + relay.Addr()}
 	}})
 	w := etcdWriter{t, c.direct}

@@ -17,6 +17,12 @@ import (
 // them, so that the client's reconnection completes as soon as the
 // partition heals instead of after its reconnect backoff.
 //
+// A test can also hold traffic up without breaking any connection, the way
+// a congested link delays it: after Stall no byte is relayed in either
+// direction, and Flow relays what waited, in order. A stream through it (a
+// watch, say) stays open and falls behind, instead of breaking and being
+// resumed as through a cut.
+//
 // The relay stops, and waits for every goroutine it started, when the test
 // ends.
 type Relay struct {
@@ -31,6 +37,13 @@ type Relay struct {
 	conns  map[net.Conn]struct{} // relayed, both sides
 	held   []net.Conn            // accepted during a cut, with hold
 	wg     sync.WaitGroup
+
+	// gate is held for reading by a pipe while it writes, and for writing
+	// from Stall until Flow: once Stall returns, nothing is written.
+	gate sync.RWMutex
+	// stallMu serialises Stall and Flow; it is taken before gate.
+	stallMu sync.Mutex
+	stalled bool // guarded by stallMu: gate is held for writing
 }
 
 // A RelayOption configures NewRelay.
@@ -95,9 +108,23 @@ func (r *Relay) connectLocked(down net.Conn) {
 
 func (r *Relay) pipe(dst, src net.Conn) {
 	defer r.wg.Done()
-	_, err := io.Copy(dst, src)
-	if err != nil && !errors.Is(err, net.ErrClosed) {
-		r.tb.Logf("relay: %v", err)
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			r.gate.RLock()
+			_, werr := dst.Write(buf[:n])
+			r.gate.RUnlock()
+			if werr != nil {
+				err = werr
+			}
+		}
+		if err != nil {
+			if !errors.Is(err, net.ErrClosed) && !errors.Is(err, io.EOF) {
+				r.tb.Logf("relay: %v", err)
+			}
+			break
+		}
 	}
 	dst.Close()
 	src.Close()
@@ -119,6 +146,27 @@ func (r *Relay) Cut() int {
 		delete(r.conns, c)
 	}
 	return n
+}
+
+// Stall holds every byte up until Flow. It returns once nothing more is
+// written on any relayed connection.
+func (r *Relay) Stall() {
+	r.stallMu.Lock()
+	defer r.stallMu.Unlock()
+	if !r.stalled {
+		r.gate.Lock()
+		r.stalled = true
+	}
+}
+
+// Flow relays again, starting with what waited.
+func (r *Relay) Flow() {
+	r.stallMu.Lock()
+	defer r.stallMu.Unlock()
+	if r.stalled {
+		r.stalled = false
+		r.gate.Unlock()
+	}
 }
 
 // Conns returns how many connections the relay relays.
@@ -152,6 +200,7 @@ func (r *Relay) close() {
 	}
 	r.held = nil
 	r.mu.Unlock()
-	r.Cut()
+	r.Cut() // a write blocked on a stalled gate fails
+	r.Flow()
 	r.wg.Wait()
 }

@@ -10,11 +10,11 @@ import (
 	"time"
 )
 
-// TestStallRelayHoldsBytesUntilFlow: the relay relays; while stalled, a
+// TestRelayStallHoldsBytesUntilFlow: the relay relays; while stalled, a
 // line sent does not come back, and the connection stays open; after Flow
 // it comes back, and the relay relays on.
-func TestStallRelayHoldsBytesUntilFlow(t *testing.T) {
-	r := NewStallRelay(t, echoServer(t))
+func TestRelayStallHoldsBytesUntilFlow(t *testing.T) {
+	r := NewRelay(t, echoServer(t))
 	c := dial(t, r.Addr())
 	rd := bufio.NewReader(c)
 	line := func() (string, error) {
