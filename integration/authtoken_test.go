@@ -115,12 +115,20 @@ func TestAuthJWT(t *testing.T) {
 	cached := func() float64 {
 		return metricSum(t, p.Registry(), "etcd_snapcache_range_requests_total", map[string]string{"source": "cache"})
 	}
-	before := cached()
-	if diff := compare("alice's JWT", auth.Token); diff != "" {
-		t.Fatal(diff)
+	// Under load a linearizable read may legitimately go to etcd when its
+	// freshness is not proven in time: three tries.
+	var served float64
+	for range 3 {
+		before := cached()
+		if diff := compare("alice's JWT", auth.Token); diff != "" {
+			t.Fatal(diff)
+		}
+		if served = cached() - before; served >= 3 {
+			break
+		}
 	}
-	if served := cached() - before; served < 3 {
-		t.Fatalf("%v of alice's allowed reads served from the cache, want 3 (JWT not verified?)", served)
+	if served < 3 {
+		t.Fatalf("%v of alice's allowed reads served from the cache, want 3 (JWT not verified?); forwarded by reason: %v", served, forwardedReasons(t, p))
 	}
 	for label, token := range map[string]string{"a forged JWT": forged, "a garbage token": "garbage.token.x", "not a JWT": "simple"} {
 		if diff := compare(label, token); diff != "" {
@@ -140,6 +148,31 @@ func TestAuthJWT(t *testing.T) {
 		}
 		return true, nil
 	})
+}
+
+// forwardedReasons lists the proxy's forwarded Range counts by reason.
+func forwardedReasons(t *testing.T, p *server.Server) map[string]float64 {
+	t.Helper()
+	mfs, err := p.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]float64{}
+	for _, mf := range mfs {
+		if mf.GetName() != "etcd_snapcache_range_requests_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			if labels["source"] == "forwarded" {
+				out[labels["reason"]] += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return out
 }
 
 type errorString string
