@@ -57,6 +57,10 @@ type Checker struct {
 	cfg      Config
 	lg       *zap.Logger
 	fallback atomic.Bool // set by a failed check, cleared by a passing one
+	// failures counts the failed checks: a fallback can begin and end
+	// between two looks at Fallback, and a watch stream that ran across
+	// it must still end.
+	failures atomic.Uint64
 	checks   *prometheus.CounterVec
 	// failedAt is the follower's load count when a check failed: the next
 	// check waits for the reload that follows.
@@ -90,6 +94,9 @@ func New(cfg Config) *Checker {
 	}
 	return c
 }
+
+// Failures returns how many checks have found the cache inconsistent.
+func (c *Checker) Failures() uint64 { return c.failures.Load() }
 
 // Fallback reports whether every read must go to etcd: the last check
 // found the cache inconsistent and none has passed since.
@@ -194,6 +201,7 @@ func (c *Checker) Check(ctx context.Context) (Result, error) {
 		zap.Uint64("cache-hash", res.CacheHash),
 		zap.Uint64("etcd-hash", res.EtcdHash))
 	c.failedAt.Store(c.cfg.Follower.Loads())
+	c.failures.Add(1)
 	c.fallback.Store(true)
 	c.cfg.Follower.Reload("inconsistent")
 	select {

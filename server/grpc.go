@@ -94,6 +94,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		ProgressNotifyInterval: s.cfg.WatchProgressNotifyInterval,
 		FragmentBytes:          s.cfg.MaxRequestBytes + grpcOverheadBytes,
 		Inconsistent:           s.checker.Fallback,
+		Inconsistencies:        s.checker.Failures,
 		Authorize:              s.authorizeWatch,
 		Relay:                  s.relayWatch,
 		Logger:                 s.lg.Named("watch"),

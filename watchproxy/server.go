@@ -96,6 +96,10 @@ type Config struct {
 	// store inconsistent: new streams are relayed to etcd, and running
 	// ones end their watchers as compacted (stream.endRelist).
 	Inconsistent func() bool
+	// Inconsistencies, if set, counts the times the store was found
+	// inconsistent: a stream that ran while the count moved ends, even if
+	// the fallback was over before the stream looked at Inconsistent.
+	Inconsistencies func() uint64
 	// Authorize, if set, is etcd's permission check of a watch of
 	// [key, rangeEnd) by the stream's caller: a non-nil error refuses the
 	// create, as etcd refuses it.
@@ -112,18 +116,19 @@ type Config struct {
 type Server struct {
 	pb.UnsafeWatchServer
 
-	store        Store
-	eventsHeld   func(from, upTo int64, max int) ([]revtree.Batch, int64, error) // for synced watchers
-	follower     Follower
-	upstream     pb.WatchClient
-	inconsistent func() bool
-	authorize    func(ctx context.Context, key, rangeEnd []byte) error
-	relay        func(ctx context.Context) bool
-	interval     time.Duration
-	followEtcd   bool // periodic progress ticks with etcd's (interval is then the fallback)
-	maxBytes     int
-	lg           *zap.Logger
-	m            *Metrics
+	store           Store
+	eventsHeld      func(from, upTo int64, max int) ([]revtree.Batch, int64, error) // for synced watchers
+	follower        Follower
+	upstream        pb.WatchClient
+	inconsistent    func() bool
+	inconsistencies func() uint64
+	authorize       func(ctx context.Context, key, rangeEnd []byte) error
+	relay           func(ctx context.Context) bool
+	interval        time.Duration
+	followEtcd      bool // periodic progress ticks with etcd's (interval is then the fallback)
+	maxBytes        int
+	lg              *zap.Logger
+	m               *Metrics
 
 	catchups     chan struct{} // semaphore of upstream catch-up watches
 	catchupStall time.Duration // catchupStall; tests shorten it
@@ -146,6 +151,9 @@ func New(cfg Config) *Server {
 	if cfg.FragmentBytes <= 0 {
 		cfg.FragmentBytes = defaultFragmentBytes
 	}
+	if cfg.Inconsistencies == nil {
+		cfg.Inconsistencies = func() uint64 { return 0 }
+	}
 	if cfg.Inconsistent == nil {
 		cfg.Inconsistent = func() bool { return false }
 	}
@@ -160,21 +168,22 @@ func New(cfg Config) *Server {
 		eventsHeld = h.EventsHeld
 	}
 	return &Server{
-		store:        cfg.Store,
-		eventsHeld:   eventsHeld,
-		follower:     cfg.Follower,
-		upstream:     cfg.Upstream,
-		inconsistent: cfg.Inconsistent,
-		authorize:    cfg.Authorize,
-		relay:        cfg.Relay,
-		interval:     cfg.ProgressNotifyInterval,
-		followEtcd:   followEtcd,
-		maxBytes:     cfg.FragmentBytes,
-		lg:           cfg.Logger,
-		m:            cfg.Metrics,
-		catchups:     make(chan struct{}, maxCatchups),
-		catchupStall: catchupStall,
-		closing:      make(chan struct{}),
+		store:           cfg.Store,
+		eventsHeld:      eventsHeld,
+		follower:        cfg.Follower,
+		upstream:        cfg.Upstream,
+		inconsistent:    cfg.Inconsistent,
+		inconsistencies: cfg.Inconsistencies,
+		authorize:       cfg.Authorize,
+		relay:           cfg.Relay,
+		interval:        cfg.ProgressNotifyInterval,
+		followEtcd:      followEtcd,
+		maxBytes:        cfg.FragmentBytes,
+		lg:              cfg.Logger,
+		m:               cfg.Metrics,
+		catchups:        make(chan struct{}, maxCatchups),
+		catchupStall:    catchupStall,
+		closing:         make(chan struct{}),
 	}
 }
 

@@ -52,12 +52,14 @@ var ready = func() chan struct{} { c := make(chan struct{}); close(c); return c 
 // happen once the handler returns. Every other goroutine (freshness checks,
 // catch-ups) is counted in wg, and close waits for them.
 type stream struct {
-	epoch      uint64 // of etcd's history when the stream began (Follower.Epoch)
-	s          *Server
-	gs         pb.Watch_WatchServer
-	ctx        context.Context // canceled when run returns
-	cancel     context.CancelFunc
-	leaderLost <-chan struct{} // closed when etcd loses its leader; nil unless the client requires one
+	epoch uint64 // of etcd's history when the stream began (Follower.Epoch)
+	// inconsistencies is Config.Inconsistencies when the stream began.
+	inconsistencies uint64
+	s               *Server
+	gs              pb.Watch_WatchServer
+	ctx             context.Context // canceled when run returns
+	cancel          context.CancelFunc
+	leaderLost      <-chan struct{} // closed when etcd loses its leader; nil unless the client requires one
 
 	reqs    chan *pb.WatchRequest // requests, in order, from the receive loop
 	recvErr chan error            // the receive loop's final error (not io.EOF)
@@ -95,17 +97,18 @@ func newStream(s *Server, gs pb.Watch_WatchServer, leaderLost <-chan struct{}) *
 	ctx, cancel := context.WithCancel(gs.Context())
 	epoch, _ := s.follower.Epoch()
 	return &stream{
-		epoch:      epoch,
-		s:          s,
-		gs:         gs,
-		ctx:        ctx,
-		cancel:     cancel,
-		leaderLost: leaderLost,
-		reqs:       make(chan *pb.WatchRequest, 16),
-		recvErr:    make(chan error, 1),
-		watchers:   map[int64]*watcher{},
-		freshc:     make(chan freshResult, 1),
-		catchupc:   make(chan catchupBatch),
+		epoch:           epoch,
+		inconsistencies: s.inconsistencies(),
+		s:               s,
+		gs:              gs,
+		ctx:             ctx,
+		cancel:          cancel,
+		leaderLost:      leaderLost,
+		reqs:            make(chan *pb.WatchRequest, 16),
+		recvErr:         make(chan error, 1),
+		watchers:        map[int64]*watcher{},
+		freshc:          make(chan freshResult, 1),
+		catchupc:        make(chan catchupBatch),
 	}
 }
 
@@ -125,7 +128,7 @@ func (st *stream) run() error {
 		if st.s.followEtcd {
 			etcdTick = st.s.follower.PeriodicProgress()
 		}
-		if st.s.inconsistent() {
+		if st.s.inconsistent() || st.s.inconsistencies() != st.inconsistencies {
 			return st.endRelist("the cache was found inconsistent with etcd", errInconsistent)
 		}
 		epoch, epochMoved := st.s.follower.Epoch()
