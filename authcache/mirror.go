@@ -186,6 +186,21 @@ func (m *Mirror) observe(enabled bool, rev uint64) (stale bool) {
 	return stale
 }
 
+// Observed records what a request through the proxy showed of etcd's auth
+// state (auth enabled or disabled through it, a token issued), ahead of
+// the next poll, which it asks for at once. A checker of the other state is
+// dropped: until the users and roles are read again, callers it would
+// have judged go to etcd.
+func (m *Mirror) Observed(enabled bool) {
+	m.mu.Lock()
+	m.known, m.enabled = true, enabled
+	if m.checker != nil && m.checker.Enabled() != enabled {
+		m.checker = nil
+	}
+	m.mu.Unlock()
+	m.poke()
+}
+
 // Enabled reports whether etcd has auth enabled, as of the last poll, and
 // whether any poll has answered yet.
 func (m *Mirror) Enabled() (enabled, known bool) {

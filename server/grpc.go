@@ -108,7 +108,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	pb.RegisterMaintenanceServer(gs, grpcproxy.NewMaintenanceProxy(s.client))
 	pb.RegisterAuthServer(gs, &authServer{AuthServer: grpcproxy.NewAuthProxy(s.client), learn: func(token, user string) {
 		s.tokens.issued(token, user, s.mirroredAuthRevision())
-	}})
+	}, observed: s.authMirror.Observed})
 	v3lockpb.RegisterLockServer(gs, grpcproxy.NewLockProxy(s.client))
 	v3electionpb.RegisterElectionServer(gs, grpcproxy.NewElectionProxy(s.client))
 	s.health = health.NewServer()

@@ -135,12 +135,32 @@ func (s *Server) mirroredAuthRevision() uint64 {
 type authServer struct {
 	pb.AuthServer
 	learn func(token, user string)
+	// observed is told what a successful call showed of the auth state:
+	// etcd issues tokens only while auth is enabled.
+	observed func(enabled bool)
 }
 
 func (a *authServer) Authenticate(ctx context.Context, r *pb.AuthenticateRequest) (*pb.AuthenticateResponse, error) {
 	resp, err := a.AuthServer.Authenticate(ctx, r)
 	if err == nil && resp.Token != "" {
+		a.observed(true)
 		a.learn(resp.Token, r.Name)
+	}
+	return resp, err
+}
+
+func (a *authServer) AuthEnable(ctx context.Context, r *pb.AuthEnableRequest) (*pb.AuthEnableResponse, error) {
+	resp, err := a.AuthServer.AuthEnable(ctx, r)
+	if err == nil {
+		a.observed(true)
+	}
+	return resp, err
+}
+
+func (a *authServer) AuthDisable(ctx context.Context, r *pb.AuthDisableRequest) (*pb.AuthDisableResponse, error) {
+	resp, err := a.AuthServer.AuthDisable(ctx, r)
+	if err == nil {
+		a.observed(false)
 	}
 	return resp, err
 }
