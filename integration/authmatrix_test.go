@@ -945,26 +945,7 @@ func (env *matrixEnv) testCacheUse(t *testing.T) {
 		{Key: []byte("/shared"), Serializable: true},
 	}
 	// counts are the proxy's Range counters by "source/reason".
-	counts := func() map[string]float64 {
-		mfs, err := env.proxy.Registry().Gather()
-		if err != nil {
-			t.Fatal(err)
-		}
-		out := map[string]float64{}
-		for _, mf := range mfs {
-			if mf.GetName() != "etcd_snapcache_range_requests_total" {
-				continue
-			}
-			for _, m := range mf.GetMetric() {
-				labels := map[string]string{}
-				for _, lp := range m.GetLabel() {
-					labels[lp.GetName()] = lp.GetValue()
-				}
-				out[labels["source"]+"/"+labels["reason"]] += m.GetCounter().GetValue()
-			}
-		}
-		return out
-	}
+	counts := func() map[string]float64 { return rangeCounts(t, env.proxy) }
 	read := func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), rpcTimeout)
 		defer cancel()

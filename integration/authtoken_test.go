@@ -128,7 +128,7 @@ func TestAuthJWT(t *testing.T) {
 		}
 	}
 	if served < 3 {
-		t.Fatalf("%v of alice's allowed reads served from the cache, want 3 (JWT not verified?); forwarded by reason: %v", served, forwardedReasons(t, p))
+		t.Fatalf("%v of alice's allowed reads served from the cache, want 3 (JWT not verified?); by source and reason: %v", served, rangeCounts(t, p))
 	}
 	for label, token := range map[string]string{"a forged JWT": forged, "a garbage token": "garbage.token.x", "not a JWT": "simple"} {
 		if diff := compare(label, token); diff != "" {
@@ -150,8 +150,9 @@ func TestAuthJWT(t *testing.T) {
 	})
 }
 
-// forwardedReasons lists the proxy's forwarded Range counts by reason.
-func forwardedReasons(t *testing.T, p *server.Server) map[string]float64 {
+// rangeCounts is the proxy's etcd_snapcache_range_requests_total by
+// "source/reason".
+func rangeCounts(t *testing.T, p *server.Server) map[string]float64 {
 	t.Helper()
 	mfs, err := p.Registry().Gather()
 	if err != nil {
@@ -167,9 +168,7 @@ func forwardedReasons(t *testing.T, p *server.Server) map[string]float64 {
 			for _, l := range m.GetLabel() {
 				labels[l.GetName()] = l.GetValue()
 			}
-			if labels["source"] == "forwarded" {
-				out[labels["reason"]] += m.GetCounter().GetValue()
-			}
+			out[labels["source"]+"/"+labels["reason"]] += m.GetCounter().GetValue()
 		}
 	}
 	return out
