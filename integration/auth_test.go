@@ -66,10 +66,12 @@ func startAuthProxy(t *testing.T) (string, *server.Server, *clientv3.Client) {
 }
 
 // callerClient is a client of ep as one caller: a user with a password,
-// a TLS client certificate, both or neither.
+// a TLS client certificate, both or neither. A password client
+// authenticates while it dials, and etcd's bcrypt check of the password
+// can take seconds on a loaded 2-core machine: hence the long dial timeout.
 func callerClient(t testing.TB, ep, user, password string, tlsCfg *tls.Config) *clientv3.Client {
 	t.Helper()
-	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{ep}, Username: user, Password: password, TLS: tlsCfg, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{ep}, Username: user, Password: password, TLS: tlsCfg, DialTimeout: 15 * time.Second, Logger: zap.NewNop()})
 	if err != nil {
 		t.Fatal(err)
 	}
