@@ -76,10 +76,16 @@ integration-budget:
 bench:
 	$(GO) test -run '^$$' -bench '$(BENCH)' -benchmem -benchtime $(BENCHTIME) -timeout 60m ./revtree/ ./integration/
 
-# Process-level benchmarks (bench/e2e): etcd as a separate process, built by
-# tools/build.sh. BenchmarkHistoryMemory reports the proxy's heap per
+# Process-level benchmarks (bench/e2e): etcd (built by tools/build.sh), the
+# proxy (bin/etcd-snapcache) and the load generator as three processes:
+# linearizable Get, watch fan-out, paginated LIST, historical Range and
+# (with `make tools-kube`) kube-apiserver LISTs, each proxy vs etcd in
+# alternating rounds (SUMMARY lines; bench/e2e/doc.go), e.g.
+# `make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical' BENCHTIME=1x`,
+# with auth on: BENCH_E2E_FLAGS=-snapcache.e2e.auth. BenchmarkHistoryMemory
+# (the proxy in the benchmark's process) reports the proxy's heap per
 # retained revision and its heap under a history budget (a few minutes).
-bench-e2e: tools-etcd
+bench-e2e: build tools-etcd
 	$(GO) test -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -count=1 -timeout 60m ./bench/e2e/ -args $(BENCH_E2E_FLAGS)
 
 clean:

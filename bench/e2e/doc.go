@@ -3,22 +3,113 @@
 // into .tools/bin, so that what is measured of the proxy is the proxy's
 // own, never etcd's.
 //
-// The harness (harness_test.go) starts that etcd on free ports with its
-// data in a temporary directory, starts the proxy in front of it, and
-// writes with concurrent clients. The proxy runs in the benchmark's
-// process: its live heap is then read exactly, with runtime.ReadMemStats
-// right after a forced collection, whereas a proxy process's /metrics
-// (go_memstats_heap_alloc_bytes) counts garbage not yet collected, up to
-// twice the live heap at GOGC=100. The benchmark's own clients keep
-// little and the same amount before and after what is measured.
+// # Throughput: three processes
+//
+// The throughput benchmarks measure the proxy as users run it: etcd, the
+// proxy (bin/etcd-snapcache, from `make build`, started as `etcd-snapcache
+// serve --endpoints=<etcd> --listen-addr=... --metrics-addr=...`) and the
+// load generator (the benchmark's process) are three processes, talking
+// over 127.0.0.1. In one process, the proxy shares the Go runtime, the
+// scheduler and the CPUs with its clients and with etcd, and its numbers
+// are flattered (a linearizable Get measured 1.21x etcd's throughput in
+// process, 0.76x as three processes).
+//
+// Each benchmark starts a fresh etcd (data in a temporary directory,
+// --unsafe-no-fsync) and a proxy in front of it before writing its data,
+// so that the proxy holds every revision read in memory, waits until the
+// proxy's cache has applied the data (etcd_snapcache_cache_revision) and,
+// for the Range workloads, checks that both sides return the same keys.
+// Then one warm-up round per side (not reported), and -snapcache.e2e.rounds
+// measured rounds per side, alternating: etcd,proxy, proxy,etcd, ... on the
+// same etcd and data; the load goes to etcd directly in etcd's rounds and
+// through the proxy in the proxy's. Every round is bounded: a closed-loop
+// round lasts -snapcache.e2e.round or -snapcache.e2e.maxops ops, whichever
+// ends first (each op within -snapcache.e2e.op-timeout); a watch round ends
+// when every event has arrived, within -snapcache.e2e.watch-timeout.
+//
+// Per side, each benchmark reports (b.ReportMetric, and SUMMARY lines on
+// stdout with every round's values):
+//
+//   - ops/s (events/s for the watch), over all its rounds, and the ratio
+//     proxy/etcd, with each round pair's ratio;
+//   - CPU per op of the serving path: etcd's alone for the direct path, the
+//     proxy's plus etcd's through the proxy (utime+stime of each process,
+//     from /proc/<pid>/stat, in 10ms ticks, before and after each round);
+//     the proxy idles during etcd's rounds (it only follows etcd's watch)
+//     and is not counted there. The load generator's own CPU per op is
+//     shown in brackets;
+//   - allocations per op of the serving processes: go_memstats_mallocs_total
+//     of etcd (its /metrics, on its client URL) and of the proxy (its own
+//     /proxy/metrics on --metrics-addr; its /metrics relays etcd's), before
+//     and after each round;
+//   - the KV requests etcd received per op (through the proxy: its read
+//     fences and forwarded reads), and the share of the proxy's Ranges it
+//     served from its cache.
+//
+// A run's ns/op is hidden: a run is fixed rounds, not b.N ops; read ops/s.
+// The rounds do not depend on -benchtime: with `-benchtime 1x` (or any
+// shorter than a benchmark's run) each benchmark runs once.
 //
 // Benchmarks:
 //
+//   - BenchmarkLinearizableGet: a linearizable single-key Get (kube-
+//     apiserver's GET and its etcd health check) from
+//     -snapcache.e2e.get-clients (32) goroutines over -snapcache.e2e.conns
+//     (4) clientv3 connections, as one client process with a few
+//     connections sends them; 1000 keys of 1 KiB.
+//   - BenchmarkWatchFanout: -snapcache.e2e.watchers (5,000) watchers of one
+//     prefix with prev_kv, on -snapcache.e2e.watch-conns (50) connections,
+//     one watch stream each (as clientv3 multiplexes a client's watchers);
+//     then -snapcache.e2e.watch-puts (200) puts of existing keys (256 B),
+//     one after another through the side measured. An op is an event
+//     delivered: events/s from the first put's start to the last event's
+//     receipt, and the delivery latency, from the event's put's start to
+//     its receipt (p50-ms, p99-ms, max-ms: medians of the rounds'). Each
+//     round opens new streams and watchers (create-s, not measured).
+//   - BenchmarkPaginatedList: one op is a whole kube-apiserver-style LIST of
+//     10k keys of 1 KiB at a fixed past revision R (2000 revisions after
+//     it): pages of -snapcache.e2e.page (500), each continuing from the last
+//     key + "\x00" at the same revision; -snapcache.e2e.range-clients (4)
+//     goroutines over the connections.
+//   - BenchmarkHistoricalRange/{128B,1KiB}: one op is a full Range of 10k
+//     keys at R (a LIST at an exact resourceVersion, without a limit), values
+//     of 128 B and of 1 KiB.
+//   - BenchmarkKubeList/{full,paginated}: two unmodified kube-apiservers
+//     (.tools/bin/kube-apiserver, from `make tools-kube`; skipped without
+//     it) with --watch-cache=false, one on etcd, one on the proxy (both on
+//     the same etcd); -snapcache.e2e.kube-objects (2,000) ConfigMaps of 1 KiB
+//     in one namespace, LISTed by -snapcache.e2e.kube-clients (4) clients
+//     over one HTTP/2 connection per kube-apiserver, as JSON. One op is a
+//     whole LIST: one request without a limit ("full"), or pages of
+//     -snapcache.e2e.kube-page (500) following continue tokens
+//     ("paginated"). It also reports etcd-cpu-ms and kube-cpu-ms: etcd's and
+//     that kube-apiserver's CPU time per LIST.
 //   - BenchmarkHistoryMemory: the proxy's heap per retained revision,
 //     without a history budget, and its heap under a budget
-//     (--max-history-bytes).
+//     (--max-history-bytes). Here the proxy runs in the benchmark's
+//     process: its live heap is then read exactly, with runtime.ReadMemStats
+//     right after a forced collection, whereas a proxy process's /metrics
+//     (go_memstats_heap_alloc_bytes) counts garbage not yet collected, up to
+//     twice the live heap at GOGC=100. The benchmark's own clients keep
+//     little and the same amount before and after what is measured.
 //
-// Flags (after -args, or in BENCH_E2E_FLAGS for make): -snapcache.e2e.keys,
-// -snapcache.e2e.revisions, -snapcache.e2e.value, -snapcache.e2e.budget;
-// $ETCD_BIN overrides the etcd binary.
+// With -snapcache.e2e.auth, etcd has auth enabled (a root user, and a user
+// "bench" whose role may read and write /registry/), the proxy runs with
+// --user=root, and the load authenticates as "bench", directly and through
+// the proxy; the SUMMARY lines say "(auth on)". Run it beside the run
+// without to compare. (BenchmarkKubeList is skipped with it.)
+//
+// Run (after -args, or in BENCH_E2E_FLAGS for make):
+//
+//	make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical|KubeList' BENCHTIME=1x
+//	make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical' BENCHTIME=1x BENCH_E2E_FLAGS=-snapcache.e2e.auth
+//
+// Flags: the throughput benchmarks' -snapcache.e2e.rounds, .round,
+// .maxops, .conns, .op-timeout, .auth, .get-clients, .get-keys,
+// .range-keys, .range-updates, .range-clients, .page, .watchers,
+// .watch-conns, .watch-puts, .watch-keys, .watch-value, .watch-timeout,
+// .kube-objects, .kube-value, .kube-clients, .kube-page;
+// BenchmarkHistoryMemory's -snapcache.e2e.keys, .revisions, .value,
+// .budget, .writers. $ETCD_BIN overrides the etcd binary, $SNAPCACHE_BIN
+// the proxy's, $KUBE_APISERVER_BIN kube-apiserver's.
 package e2e

@@ -270,7 +270,7 @@ func TestDeploySidecar(t *testing.T) {
 
 	// --- kube-apiserver, with the manifest's --etcd-* flags.
 	dir := t.TempDir()
-	args, port, token := kubeAPIServerSetup(t, dir)
+	args, port, token := testsupport.KubeAPIServerSetup(t, dir)
 	args = append(args, "--etcd-servers=https://"+listenAddr)
 	certDir := filepath.Join(dir, "certs")
 	for _, f := range fileFlags[kubeC] {

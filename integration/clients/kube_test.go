@@ -4,12 +4,9 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"crypto/rand"
-	"crypto/rsa"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/json"
-	"encoding/pem"
 	"fmt"
 	"io"
 	"net/http"
@@ -155,7 +152,7 @@ type kubeEnv struct {
 func startKube(t *testing.T, bins kubeBins, st kubeStorage, watchCache bool) *kubeEnv {
 	e, px := st.etcd, st.proxy
 	dir := t.TempDir()
-	args, port, token := kubeAPIServerSetup(t, dir)
+	args, port, token := testsupport.KubeAPIServerSetup(t, dir)
 	args = append(append(args, st.kubeArgs...),
 		fmt.Sprintf("--watch-cache=%v", watchCache),
 		"--v=2", // reflector and cacher messages the log scan looks for
@@ -1201,40 +1198,6 @@ func (k *kubeEnv) scanLog() {
 	} else {
 		k.t.Logf("kube-apiserver's log (%d lines) is clean (but for what the test provokes: %v)", strings.Count(log, "\n"), seen)
 	}
-}
-
-// kubeAPIServerSetup writes what kube-apiserver needs to start into dir (a
-// static token file with one admin token, a service-account key pair) and
-// returns its base flags, serving on a free port on 127.0.0.1, the port,
-// and the admin token. The caller adds the --etcd-* flags.
-func kubeAPIServerSetup(t *testing.T, dir string) (args []string, port int, token string) {
-	t.Helper()
-	token = "e2e-" + strconv.FormatInt(time.Now().UnixNano(), 36)
-	writeFile(t, filepath.Join(dir, "tokens.csv"), token+`,admin,admin-uid,"system:masters"`+"\n")
-	key, err := rsa.GenerateKey(rand.Reader, 2048)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pub, err := x509.MarshalPKIXPublicKey(&key.PublicKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	writeFile(t, filepath.Join(dir, "sa.key"), string(pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)})))
-	writeFile(t, filepath.Join(dir, "sa.pub"), string(pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pub})))
-	port = testsupport.FreePorts(t, 1)[0]
-	return []string{
-		fmt.Sprintf("--secure-port=%d", port),
-		"--bind-address=127.0.0.1",
-		"--advertise-address=127.0.0.1",
-		"--endpoint-reconciler-type=none",
-		"--cert-dir=" + filepath.Join(dir, "certs"),
-		"--service-account-issuer=https://kubernetes.default.svc",
-		"--service-account-key-file=" + filepath.Join(dir, "sa.pub"),
-		"--service-account-signing-key-file=" + filepath.Join(dir, "sa.key"),
-		"--service-cluster-ip-range=10.0.0.0/24",
-		"--authorization-mode=RBAC",
-		"--token-auth-file=" + filepath.Join(dir, "tokens.csv"),
-	}, port, token
 }
 
 // waitServing waits until kube-apiserver serves: its serving certificate,

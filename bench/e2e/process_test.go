@@ -1,0 +1,264 @@
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
+)
+
+// proxyBinary is $SNAPCACHE_BIN, else the binary `make build` builds.
+func proxyBinary(tb testing.TB) string {
+	tb.Helper()
+	p := os.Getenv("SNAPCACHE_BIN")
+	if p == "" {
+		p = "../../bin/etcd-snapcache"
+	}
+	abs, err := filepath.Abs(p)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if st, err := os.Stat(abs); err != nil || st.IsDir() || st.Mode()&0o111 == 0 {
+		tb.Fatalf("no etcd-snapcache binary at %s: build it with `make build`, or set $SNAPCACHE_BIN", abs)
+	}
+	return abs
+}
+
+// child is a process the benchmark started, its output in a log file.
+type child struct {
+	name    string
+	cmd     *exec.Cmd
+	logPath string
+	done    chan struct{} // closed once the process has exited
+}
+
+// startChild starts bin with args, its output in dir/name.log; it is
+// stopped (SIGTERM, then SIGKILL after stopTimeout) when the benchmark
+// ends.
+func startChild(tb testing.TB, name, dir, bin string, args []string) *child {
+	tb.Helper()
+	c := &child{name: name, logPath: filepath.Join(dir, name+".log"), done: make(chan struct{})}
+	logf, err := os.Create(c.logPath)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	c.cmd = exec.Command(bin, args...)
+	c.cmd.Stdout, c.cmd.Stderr = logf, logf
+	if err := c.cmd.Start(); err != nil {
+		logf.Close()
+		tb.Fatalf("starting %s: %v", name, err)
+	}
+	go func() {
+		c.cmd.Wait()
+		logf.Close()
+		close(c.done)
+	}()
+	tb.Cleanup(func() { c.stop(tb) })
+	return c
+}
+
+// alive is nil while the process runs, else an error with its log's tail.
+func (c *child) alive() error {
+	select {
+	case <-c.done:
+		return fmt.Errorf("%s exited: %s", c.name, tailOf(c.logPath))
+	default:
+		return nil
+	}
+}
+
+func (c *child) pid() string { return strconv.Itoa(c.cmd.Process.Pid) }
+
+func (c *child) stop(tb testing.TB) {
+	select {
+	case <-c.done:
+		return
+	default:
+	}
+	_ = c.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-c.done:
+	case <-time.After(stopTimeout):
+		tb.Logf("%s did not stop within %v of SIGTERM; killing it", c.name, stopTimeout)
+		_ = c.cmd.Process.Kill()
+		<-c.done
+	}
+}
+
+// proxyProcess is etcd-snapcache run as a separate process, as users run
+// it: `etcd-snapcache serve --endpoints=...` with grpc-proxy's flags.
+type proxyProcess struct {
+	*child
+	endpoint   string // http://127.0.0.1:port, the etcd API
+	metricsURL string // http://127.0.0.1:port of --metrics-addr
+}
+
+// startProxyProcess starts the proxy binary in front of the etcd at
+// upstream, serving on a free loopback port with its HTTP endpoints also on
+// --metrics-addr, and waits until its /readyz answers 200 (it has loaded
+// the keyspace and follows etcd). It is stopped (SIGTERM) when the
+// benchmark ends.
+func startProxyProcess(tb testing.TB, upstream string, extra ...string) *proxyProcess {
+	tb.Helper()
+	ports := testsupport.FreePorts(tb, 2)
+	dir := tb.TempDir()
+	p := &proxyProcess{
+		endpoint:   fmt.Sprintf("http://127.0.0.1:%d", ports[0]),
+		metricsURL: fmt.Sprintf("http://127.0.0.1:%d", ports[1]),
+	}
+	args := append([]string{
+		"serve",
+		"--endpoints=" + upstream,
+		fmt.Sprintf("--listen-addr=127.0.0.1:%d", ports[0]),
+		"--metrics-addr=" + p.metricsURL,
+		"--data-dir=" + filepath.Join(dir, "data"),
+		"--log-level=warn",
+	}, extra...)
+	p.child = startChild(tb, "etcd-snapcache", dir, proxyBinary(tb), args)
+	testsupport.Poll(tb, startTimeout, 50*time.Millisecond, "etcd-snapcache to be ready", func() (bool, error) {
+		if err := p.alive(); err != nil {
+			tb.Fatal(err)
+		}
+		_, err := httpGet(p.metricsURL + "/readyz")
+		return err == nil, err
+	})
+	return p
+}
+
+// metrics scrapes the proxy's own metrics (/proxy/metrics: its /metrics
+// relays etcd's, as grpc-proxy's does).
+func (p *proxyProcess) metrics(tb testing.TB) metricSet {
+	tb.Helper()
+	return scrape(tb, p.metricsURL+"/proxy/metrics")
+}
+
+// metrics scrapes etcd's /metrics, which it serves on its client URL.
+func (e *etcdProcess) metrics(tb testing.TB) metricSet {
+	tb.Helper()
+	return scrape(tb, e.endpoint+"/metrics")
+}
+
+func tailOf(path string) string {
+	b, _ := os.ReadFile(path)
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	return strings.Join(lines[max(len(lines)-20, 0):], "\n")
+}
+
+// metricsHTTP fetches the HTTP endpoints without keeping connections
+// alive, so that no transport goroutine outlives a benchmark (goleak).
+var metricsHTTP = &http.Client{
+	Timeout:   10 * time.Second,
+	Transport: &http.Transport{DisableKeepAlives: true},
+}
+
+// httpGet returns the body of GET url, or an error unless it answers 200.
+func httpGet(url string) ([]byte, error) {
+	resp, err := metricsHTTP.Get(url)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("%s: %s: %s", url, resp.Status, bytes.TrimSpace(body))
+	}
+	return body, nil
+}
+
+// metricSet is a Prometheus text exposition: its sample lines.
+type metricSet []string
+
+func scrape(tb testing.TB, url string) metricSet {
+	tb.Helper()
+	body, err := httpGet(url)
+	if err != nil {
+		tb.Fatalf("scraping metrics: %v", err)
+	}
+	var ms metricSet
+	sc := bufio.NewScanner(bytes.NewReader(body))
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		if line := sc.Text(); line != "" && line[0] != '#' {
+			ms = append(ms, line)
+		}
+	}
+	return ms
+}
+
+// sum is the sum of the samples of metric name whose labels include every
+// one of labels (each `key="value"`).
+func (ms metricSet) sum(name string, labels ...string) float64 {
+	total := 0.0
+outer:
+	for _, line := range ms {
+		rest, ok := strings.CutPrefix(line, name)
+		if !ok || rest == "" || (rest[0] != ' ' && rest[0] != '{') {
+			continue
+		}
+		var lbls string
+		if rest[0] == '{' {
+			end := strings.LastIndexByte(rest, '}')
+			if end < 0 {
+				continue
+			}
+			lbls, rest = rest[1:end], rest[end+1:]
+		}
+		for _, l := range labels {
+			if !strings.Contains(lbls, l) {
+				continue outer
+			}
+		}
+		f := strings.Fields(rest)
+		if len(f) == 0 {
+			continue
+		}
+		v, err := strconv.ParseFloat(f[0], 64)
+		if err == nil {
+			total += v
+		}
+	}
+	return total
+}
+
+// clockTick is a tick of /proc/<pid>/stat's utime and stime: USER_HZ is
+// 100 on every Linux ABI.
+const clockTick = 10 * time.Millisecond
+
+// processCPU is the user+system CPU time process pid has used so far, from
+// /proc/<pid>/stat ("self" for this process).
+func processCPU(tb testing.TB, pid string) time.Duration {
+	tb.Helper()
+	stat, err := os.ReadFile("/proc/" + pid + "/stat")
+	if err != nil {
+		tb.Fatalf("reading CPU time: %v", err)
+	}
+	// The command name (field 2) is parenthesised and may contain spaces;
+	// utime and stime are fields 14 and 15, the 12th and 13th after it.
+	i := bytes.LastIndexByte(stat, ')')
+	f := strings.Fields(string(stat[i+1:]))
+	if i < 0 || len(f) < 13 {
+		tb.Fatalf("unexpected /proc/%s/stat: %q", pid, stat)
+	}
+	utime, err1 := strconv.ParseInt(f[11], 10, 64)
+	stime, err2 := strconv.ParseInt(f[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		tb.Fatalf("unexpected /proc/%s/stat: %q", pid, stat)
+	}
+	return time.Duration(utime+stime) * clockTick
+}
+
+func (e *etcdProcess) pid() string { return strconv.Itoa(e.cmd.Process.Pid) }
