@@ -95,29 +95,50 @@ func BenchmarkApply(b *testing.B) {
 // reads revision 10000, the whole keyspace or a first page of 500.
 func BenchmarkRangePast(b *testing.B) {
 	for _, degree := range benchDegrees {
-		ks := newBenchKeyspace(degree, 10_000, 1024)
-		past := ks.rev
-		rng := rand.New(rand.NewPCG(3, 4))
-		for range 2000 {
-			rev, evs := ks.nextPut(rng.IntN(len(ks.keys)))
-			ks.apply(b, rev, evs)
+		benchRangePast(b, fmt.Sprintf("degree=%d", degree), degree, revtree.DefaultCheckpointInterval, 1024, 0)
+	}
+}
+
+// BenchmarkRangePastByInterval is BenchmarkRangePast at the default degree
+// for several checkpoint intervals (every), with 128-byte and 1 KiB
+// values, reading the revision before the first checkpoint after the
+// load: the worst case, every-1 revisions of events overlaid.
+func BenchmarkRangePastByInterval(b *testing.B) {
+	for _, every := range benchIntervals {
+		for _, value := range []int{128, 1024} {
+			benchRangePast(b, fmt.Sprintf("every=%d/value=%d", every, value), revtree.DefaultDegree, every, value, int64(every-1))
 		}
-		for _, tc := range []struct {
-			name  string
-			limit int64
-			want  int
-		}{{"all", 0, 10_000}, {"limit=500", 500, 500}} {
-			b.Run(fmt.Sprintf("degree=%d/%s", degree, tc.name), func(b *testing.B) {
-				req := &pb.RangeRequest{Key: []byte{0}, RangeEnd: []byte{0}, Revision: past, Limit: tc.limit}
-				b.ReportAllocs()
-				for b.Loop() {
-					resp, err := ks.s.Range(req, revtree.RangeOptions{})
-					if err != nil || len(resp.Kvs) != tc.want || resp.Count != 10_000 {
-						b.Fatalf("Range: %d kvs, count %d, %v", len(resp.Kvs), resp.Count, err)
-					}
+	}
+}
+
+// benchIntervals are the checkpoint intervals compared by the benchmarks.
+var benchIntervals = []int{1, 8, 16, 32, 64, 128}
+
+// benchRangePast runs BenchmarkRangePast's reads at revision 10000+ahead.
+func benchRangePast(b *testing.B, name string, degree, every, valueSize int, ahead int64) {
+	ks := newBenchKeyspace(degree, 10_000, valueSize)
+	ks.s.SetCheckpointInterval(every)
+	past := ks.rev + ahead
+	rng := rand.New(rand.NewPCG(3, 4))
+	for range 2000 {
+		rev, evs := ks.nextPut(rng.IntN(len(ks.keys)))
+		ks.apply(b, rev, evs)
+	}
+	for _, tc := range []struct {
+		name  string
+		limit int64
+		want  int
+	}{{"all", 0, 10_000}, {"limit=500", 500, 500}} {
+		b.Run(name+"/"+tc.name, func(b *testing.B) {
+			req := &pb.RangeRequest{Key: []byte{0}, RangeEnd: []byte{0}, Revision: past, Limit: tc.limit}
+			b.ReportAllocs()
+			for b.Loop() {
+				resp, err := ks.s.Range(req, revtree.RangeOptions{})
+				if err != nil || len(resp.Kvs) != tc.want || resp.Count != 10_000 {
+					b.Fatalf("Range: %d kvs, count %d, %v", len(resp.Kvs), resp.Count, err)
 				}
-			})
-		}
+			}
+		})
 	}
 }
 
@@ -138,57 +159,75 @@ func BenchmarkRangePast(b *testing.B) {
 // point reads (View + Get) at random retained revisions, so ns/op is the
 // cost of a past-revision Get with 100k snapshots retained.
 func BenchmarkRetainedRevisionBytes(b *testing.B) {
-	const keys, revs = 100_000, 100_000
 	for _, degree := range benchDegrees {
-		b.Run(fmt.Sprintf("degree=%d", degree), func(b *testing.B) {
-			ks := newBenchKeyspace(degree, keys, 64)
-			first := ks.rev
-			rng := rand.New(rand.NewPCG(5, 6))
-			idx := make([]int, revs)
-			for i := range idx {
-				idx[i] = rng.IntN(keys)
-			}
-			type batch struct {
-				rev int64
-				evs []*mvccpb.Event
-			}
-			batches := make([]batch, revs)
-
-			h0 := liveHeap()
-			for i, k := range idx {
-				rev, evs := ks.nextPut(k)
-				batches[i] = batch{rev, evs}
-			}
-			h1 := liveHeap()
-			est0 := ks.s.ApproxBytes()
-			for _, bt := range batches {
-				ks.apply(b, bt.rev, bt.evs)
-			}
-			h2 := liveHeap()
-			runtime.KeepAlive(batches)
-			if n := ks.s.Snapshots(); n != revs+1 {
-				b.Fatalf("%d snapshots retained, want %d", n, revs+1)
-			}
-
-			for b.Loop() {
-				rev := first + 1 + rng.Int64N(revs)
-				v, err := ks.s.View(rev)
-				if err != nil {
-					b.Fatal(err)
-				}
-				if _, ok := v.Get(ks.keys[rng.IntN(keys)]); !ok {
-					b.Fatal("key missing")
-				}
-			}
-			runtime.KeepAlive(ks)
-			// After the loop: b.Loop's timer reset drops earlier metrics.
-			b.ReportMetric(float64(h2-h0)/revs, "B/rev")
-			b.ReportMetric(float64(h2-h1)/revs, "tree-B/rev")
-			b.ReportMetric(float64(h1-h0)/revs, "payload-B/rev")
-			// What the cache-bytes metric estimates for the same revisions.
-			b.ReportMetric(float64(ks.s.ApproxBytes()-est0)/revs, "est-B/rev")
-		})
+		benchRetainedRevisionBytes(b, fmt.Sprintf("degree=%d", degree), degree, revtree.DefaultCheckpointInterval, 100_000, 64)
 	}
+}
+
+// BenchmarkRetainedRevisionBytesByInterval is BenchmarkRetainedRevisionBytes
+// at the default degree for several checkpoint intervals (every), over
+// 100k keys with 64-byte values and over 20k keys with 100-byte values.
+func BenchmarkRetainedRevisionBytesByInterval(b *testing.B) {
+	for _, every := range benchIntervals {
+		for _, ks := range []struct{ keys, value int }{{100_000, 64}, {20_000, 100}} {
+			benchRetainedRevisionBytes(b, fmt.Sprintf("every=%d/keys=%d/value=%d", every, ks.keys, ks.value), revtree.DefaultDegree, every, ks.keys, ks.value)
+		}
+	}
+}
+
+// benchRetainedRevisionBytes runs BenchmarkRetainedRevisionBytes's
+// measurement for one store configuration and keyspace.
+func benchRetainedRevisionBytes(b *testing.B, name string, degree, every, keys, valueSize int) {
+	const revs = 100_000
+	b.Run(name, func(b *testing.B) {
+		ks := newBenchKeyspace(degree, keys, valueSize)
+		ks.s.SetCheckpointInterval(every)
+		first := ks.rev
+		rng := rand.New(rand.NewPCG(5, 6))
+		idx := make([]int, revs)
+		for i := range idx {
+			idx[i] = rng.IntN(keys)
+		}
+		type batch struct {
+			rev int64
+			evs []*mvccpb.Event
+		}
+		batches := make([]batch, revs)
+
+		h0 := liveHeap()
+		for i, k := range idx {
+			rev, evs := ks.nextPut(k)
+			batches[i] = batch{rev, evs}
+		}
+		h1 := liveHeap()
+		est0 := ks.s.ApproxBytes()
+		for _, bt := range batches {
+			ks.apply(b, bt.rev, bt.evs)
+		}
+		h2 := liveHeap()
+		runtime.KeepAlive(batches)
+		if n := ks.s.Snapshots(); n != revs+1 {
+			b.Fatalf("%d snapshots retained, want %d", n, revs+1)
+		}
+
+		for b.Loop() {
+			rev := first + 1 + rng.Int64N(revs)
+			v, err := ks.s.View(rev)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if _, ok := v.Get(ks.keys[rng.IntN(keys)]); !ok {
+				b.Fatal("key missing")
+			}
+		}
+		runtime.KeepAlive(ks)
+		// After the loop: b.Loop's timer reset drops earlier metrics.
+		b.ReportMetric(float64(h2-h0)/revs, "B/rev")
+		b.ReportMetric(float64(h2-h1)/revs, "tree-B/rev")
+		b.ReportMetric(float64(h1-h0)/revs, "payload-B/rev")
+		// What the cache-bytes metric estimates for the same revisions.
+		b.ReportMetric(float64(ks.s.ApproxBytes()-est0)/revs, "est-B/rev")
+	})
 }
 
 func liveHeap() int64 {

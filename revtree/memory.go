@@ -33,20 +33,28 @@ import (
 //     root holds what is left. shape.levels computes the levels for n
 //     items from that. Trees grown by random inserts are fuller (about 0.7
 //     of 2d-1 items per node) and a little shallower.
-//   - A write to the working tree after a Clone copies the nodes from the
-//     root down to the one that holds its key; the writes of one revision
-//     share the nodes they both pass (shape.copied).
-//   - A snapshot: the snapshot struct, the cloned BTreeG header, its two
-//     new copy-on-write contexts (Clone makes one for each tree) and its
-//     slot in the index of snapshots.
+//   - A write to the working tree after a checkpoint's Clone copies the
+//     nodes from the root down to the one that holds its key; the writes
+//     of one window between checkpoints share the nodes they pass, each
+//     copied once (shape.copied of the window's writes so far, and of
+//     them plus this revision's: the difference is this revision's). The
+//     head's clone, which every revision takes and the next one clears,
+//     makes the next writes copy their paths again, but those copies are
+//     garbage once it is cleared: only the checkpoints keep nodes.
+//   - A snapshot: the snapshot struct, its slot in the index of snapshots,
+//     and the copy-on-write context the working tree takes at each Clone,
+//     which the nodes it copies keep. A checkpoint adds its tree: the
+//     cloned BTreeG header and its own copy-on-write context.
 //
-// What a retained revision costs (its snapshot's bytes): the snapshot, the
-// path its writes copied, its events, and the KeyValues it displaced (a
-// put's or delete's previous KeyValue, which from then on only history
-// holds). Dropping the oldest snapshot frees about that much: its events,
-// the KeyValues they hold as PrevKv, and the nodes only it still shares
-// (the old path that the next revision copied, charged to that revision:
-// the two differ by one revision's path in the whole window).
+// What a retained revision costs (its snapshot's bytes): the snapshot, its
+// share of its window's copied nodes, its events, and the KeyValues it
+// displaced (a put's or delete's previous KeyValue, which from then on
+// only history holds). Dropping the oldest snapshots frees about that
+// much per snapshot: their events, the KeyValues they hold as PrevKv, and
+// the nodes only their checkpoint still shares (the old versions of the
+// nodes the next window copied, charged to that window: the two differ by
+// one window's copies in the whole history), once the window's last
+// snapshot goes (doc.go).
 //
 // TestMemoryEstimate checks these estimates against the live heap
 // (runtime.MemStats.HeapAlloc after a GC) for several degrees, value sizes
@@ -99,9 +107,10 @@ var (
 	eventBytes       = sizeClass(int64(unsafe.Sizeof(mvccpb.Event{}))) + 8 // + its slot in the events slice
 	nodeStructBytes  = sizeClass(2*24 + 8)                                 // items, children (slices), cow (pointer)
 	snapshotOverhead = sizeClass(int64(unsafe.Sizeof(snapshot{}))) +
-		sizeClass(int64(unsafe.Sizeof(btree.BTreeG[*mvccpb.KeyValue]{}))) +
-		2*sizeClass(16) + // two copy-on-write contexts: a freelist pointer and a less func
+		sizeClass(16) + // the working tree's new copy-on-write context (a freelist pointer and a less func), kept by the nodes it copies
 		20 // the slot in the snapshot index: a degree-32 B-tree of pointers, appended in order, so half-full nodes
+	checkpointOverhead = sizeClass(int64(unsafe.Sizeof(btree.BTreeG[*mvccpb.KeyValue]{}))) +
+		sizeClass(16) // the kept clone's header and its copy-on-write context
 )
 
 // kvBytes estimates a KeyValue's memory: the struct, its key and value.
@@ -176,7 +185,7 @@ func (sh shape) tree(n int) int64 {
 }
 
 // copied estimates the nodes that k writes of random keys copy in a tree
-// of n items after a Clone. A write copies the nodes from the root down to
+// of n items after a Clone (k: all the writes of a window so far). A write copies the nodes from the root down to
 // the node that holds its key: a level is reached by the share of the
 // items it and the levels below hold. k writes that reach a level of N
 // nodes copy N(1-(1-1/N)^k) of them, the expected number of distinct

@@ -116,11 +116,28 @@ func (v View) count(key, rangeEnd []byte) int64 {
 		}
 		return 0
 	}
+	end := upperBound(rangeEnd)
+	if len(end) > 0 && bytes.Compare(key, end) >= 0 {
+		return 0
+	}
 	var n int64
-	v.Ascend(key, upperBound(rangeEnd), func(*mvccpb.KeyValue) bool {
+	v.ascendTree(key, end, func(*mvccpb.KeyValue) bool {
 		n++
 		return true
 	})
+	if v.overlay {
+		// Each overlaid key adds one if it is absent from the tree and
+		// present at the view's revision, takes one away if the reverse.
+		for _, e := range v.overlayRange(key, end) {
+			_, had := v.kvs.Get(&mvccpb.KeyValue{Key: e.key})
+			switch {
+			case e.kv != nil && !had:
+				n++
+			case e.kv == nil && had:
+				n--
+			}
+		}
+	}
 	return n
 }
 
@@ -148,6 +165,10 @@ func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, in
 		}
 		return all, int64(len(all))
 	}
+	if limit <= 0 {
+		all := v.scan(key, end, 0)
+		return all, int64(len(all))
+	}
 	var kvs []*mvccpb.KeyValue
 	var n int64
 	v.Ascend(key, end, func(kv *mvccpb.KeyValue) bool {
@@ -163,14 +184,62 @@ func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, in
 	return kvs, n
 }
 
-// scan returns every key-value of [key, end).
+// scan returns every key-value of [key, end): the tree's, with the
+// overlaid keys' states merged in afterwards by binary search, which costs
+// a copy of the slice instead of a key comparison per key-value.
 func (v View) scan(key, end []byte, sizeHint int) []*mvccpb.KeyValue {
 	kvs := make([]*mvccpb.KeyValue, 0, sizeHint)
-	v.Ascend(key, end, func(kv *mvccpb.KeyValue) bool {
+	if len(end) > 0 && bytes.Compare(key, end) >= 0 {
+		return kvs
+	}
+	v.ascendTree(key, end, func(kv *mvccpb.KeyValue) bool {
 		kvs = append(kvs, kv)
 		return true
 	})
+	if v.overlay {
+		if ov := v.overlayRange(key, end); len(ov) > 0 {
+			kvs = mergeOverlay(kvs, ov)
+		}
+	}
 	return kvs
+}
+
+// mergeOverlay returns the key-ordered base with each overlaid key's
+// state in place of the base's: replaced, inserted or removed. When every
+// overlaid key replaces one of the base (updates, the common case), base
+// is updated in place.
+func mergeOverlay(base []*mvccpb.KeyValue, ov []overlayEntry) []*mvccpb.KeyValue {
+	pos := make([]int, len(ov)) // where each overlaid key is or would be in base
+	replaceOnly := true
+	for t, e := range ov {
+		from := 0
+		if t > 0 {
+			from = pos[t-1]
+		}
+		pos[t] = from + sort.Search(len(base)-from, func(k int) bool { return bytes.Compare(base[from+k].Key, e.key) >= 0 })
+		if found := pos[t] < len(base) && bytes.Equal(base[pos[t]].Key, e.key); !found || e.kv == nil {
+			replaceOnly = false
+		}
+	}
+	if replaceOnly {
+		for t, e := range ov {
+			base[pos[t]] = e.kv
+		}
+		return base
+	}
+	out := make([]*mvccpb.KeyValue, 0, len(base)+len(ov))
+	i := 0
+	for t, e := range ov {
+		out = append(out, base[i:pos[t]]...)
+		i = pos[t]
+		if i < len(base) && bytes.Equal(base[i].Key, e.key) {
+			i++
+		}
+		if e.kv != nil {
+			out = append(out, e.kv)
+		}
+	}
+	return append(out, base[i:]...)
 }
 
 func filterKVs(kvs []*mvccpb.KeyValue, r *pb.RangeRequest) []*mvccpb.KeyValue {

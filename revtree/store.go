@@ -16,10 +16,27 @@ import (
 // revision but make deeper trees and slower scans; see docs/architecture.md.
 const DefaultDegree = 8
 
+// DefaultCheckpointInterval is how many revisions apart the store keeps a
+// tree of the keyspace (a checkpoint); the revisions between two
+// checkpoints are read from the older one overlaid with their events. It
+// was chosen with BenchmarkRetainedRevisionBytesByInterval and
+// BenchmarkRangePastByInterval: memory per retained revision falls by only
+// about 100 bytes per doubling past 16 (the writes of a window land on
+// distinct leaves and distinct lower inner nodes, so each still copies
+// about a leaf and an inner node), while a read at a revision between
+// checkpoints merges up to DefaultCheckpointInterval-1 revisions of events.
+const DefaultCheckpointInterval = 64
+
+// maxOverlayEvents bounds the events a read overlays on a checkpoint,
+// whatever the interval: a revision with many events (a DeleteRange, a
+// big Txn) closes its window early with a checkpoint.
+const maxOverlayEvents = 256
+
 // DefaultMaxHistoryBytes is the default history budget (--max-history-bytes):
-// 256 MiB, about 135,000 revisions of single-key writes over 100,000 keys
-// at degree 8 (2 KB each, measured by make bench-e2e). See docs/architecture.md for why a 2-core, 4 GiB node
-// survives it.
+// 256 MiB, about 215,000 revisions of single-key writes over 100,000 keys
+// at degree 8 and the default checkpoint interval (1.25 KB each with
+// 64-byte values, BenchmarkRetainedRevisionBytes). See docs/architecture.md
+// for why a 2-core, 4 GiB node survives it.
 const DefaultMaxHistoryBytes = 256 << 20
 
 var (
@@ -37,7 +54,8 @@ var (
 	ErrInconsistent = errors.New("revtree: events are inconsistent with the store")
 )
 
-// Store is an MVCC key-value store with one snapshot per retained revision.
+// Store is an MVCC key-value store with one snapshot per retained
+// revision, a tree of the keyspace every few (see DefaultCheckpointInterval).
 // The zero value is not usable; call New.
 //
 // Lock order: writeMu, then mu, then flat.mu.
@@ -49,6 +67,13 @@ type Store struct {
 	writeMu sync.Mutex
 	// Guarded by writeMu.
 	latest *btree.BTreeG[*mvccpb.KeyValue]
+	// newest is the newest snapshot: the one the next revision's
+	// snapshot links back to (nil before Reset, after Unload).
+	newest *snapshot
+	// window counts what was applied since the newest checkpoint.
+	window struct{ revs, events int }
+	// checkpointEvery is the checkpoint interval (SetCheckpointInterval).
+	checkpointEvery int
 
 	mu sync.RWMutex
 	// Guarded by mu: the published state.
@@ -73,12 +98,34 @@ type Store struct {
 	flat flatRanges // pages of recent paginated reads; its own lock
 }
 
-// snapshot is the keyspace as of rev, and the events that produced it.
+// snapshot is one retained revision: the events that produced it and how
+// to read the keyspace as of rev. A checkpoint (prev == nil) holds its own
+// tree; any other snapshot is read from the checkpoint its prev links
+// lead to, overlaid with the events of the snapshots on the way
+// (overlay.go). The newest snapshot also holds a tree of its own while it
+// is the newest, so that reads at the head merge nothing.
 type snapshot struct {
 	rev    int64
-	kvs    *btree.BTreeG[*mvccpb.KeyValue]
 	events []*mvccpb.Event // nil for the snapshot of a load
 	bytes  int64           // estimated memory this revision added
+	// prev is the snapshot of the revision applied before this one; nil
+	// for a checkpoint. Immutable: a snapshot dropped from the store
+	// stays reachable through it while later ones of its window are.
+	prev *snapshot
+	// kvs is the keyspace at rev. For a checkpoint: immutable, never nil.
+	// For any other snapshot: guarded by Store.mu; set while the snapshot
+	// is the newest, cleared when the next revision is applied, since its
+	// tree would keep a copied path per revision alive.
+	kvs *btree.BTreeG[*mvccpb.KeyValue]
+}
+
+// checkpoint returns the checkpoint s is read from: s itself or the
+// nearest one before it.
+func (s *snapshot) checkpoint() *snapshot {
+	for s.prev != nil {
+		s = s.prev
+	}
+	return s
 }
 
 func kvLess(a, b *mvccpb.KeyValue) bool { return bytes.Compare(a.Key, b.Key) < 0 }
@@ -92,14 +139,29 @@ func New(degree int) *Store {
 		degree = DefaultDegree
 	}
 	s := &Store{
-		degree:    degree,
-		shape:     newShape(degree),
-		latest:    btree.NewG(degree, kvLess),
-		snapshots: btree.NewG(32, snapshotLess),
+		degree:          degree,
+		shape:           newShape(degree),
+		latest:          btree.NewG(degree, kvLess),
+		checkpointEvery: DefaultCheckpointInterval,
+		snapshots:       btree.NewG(32, snapshotLess),
 	}
 	s.flat.limit = maxFlatBytes
 	s.flat.onGrow = s.enforceBudget
 	return s
+}
+
+// SetCheckpointInterval sets how many revisions apart the store keeps a
+// tree of the keyspace (DefaultCheckpointInterval if every < 1); 1 keeps
+// one per revision. It takes effect from the next revision applied: a
+// larger interval costs less memory per retained revision, and more work
+// per read of a revision between checkpoints.
+func (s *Store) SetCheckpointInterval(every int) {
+	s.writeMu.Lock()
+	defer s.writeMu.Unlock()
+	if every < 1 {
+		every = DefaultCheckpointInterval
+	}
+	s.checkpointEvery = every
 }
 
 // SetMaxHistoryBytes bounds the memory retained history may use on top of
@@ -165,8 +227,10 @@ func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
 		live += kvBytes(kv)
 	}
 	s.latest = latest
+	s.newest = &snapshot{rev: rev, kvs: latest.Clone()}
+	s.window.revs, s.window.events = 0, 0
 	snaps := btree.NewG(32, snapshotLess)
-	snaps.ReplaceOrInsert(&snapshot{rev: rev, kvs: latest.Clone()})
+	snaps.ReplaceOrInsert(s.newest)
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -188,6 +252,8 @@ func (s *Store) Unload() {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
 	s.latest = btree.NewG(s.degree, kvLess)
+	s.newest = nil
+	s.window.revs, s.window.events = 0, 0
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.snapshots = btree.NewG(32, snapshotLess)
@@ -210,8 +276,17 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 		return nil, err
 	}
 	// What this revision adds to history (memory.go): its snapshot, the
-	// nodes its writes copy, its events, and the KeyValues it displaces.
-	live, added := int64(0), snapshotOverhead+s.shape.copied(s.latest.Len(), len(events))
+	// nodes its writes copy that the window's earlier writes did not,
+	// its events, and the KeyValues it displaces.
+	n, w := s.latest.Len(), s.window.events
+	live, added := int64(0), snapshotOverhead+s.shape.copied(n, w+len(events))-s.shape.copied(n, w)
+	s.window.revs++
+	s.window.events += len(events)
+	checkpoint := s.window.revs >= s.checkpointEvery || s.window.events >= maxOverlayEvents
+	if checkpoint {
+		added += checkpointOverhead
+		s.window.revs, s.window.events = 0, 0
+	}
 	for _, ev := range events {
 		prev, _ := s.latest.Get(ev.Kv)
 		ev.PrevKv = prev
@@ -229,10 +304,23 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 			added += kvBytes(ev.Kv) // the tombstone
 		}
 	}
-	snap := &snapshot{rev: rev, kvs: s.latest.Clone(), events: events, bytes: added}
+	// The head's tree: the newest snapshot's until the next revision,
+	// and for good if this revision closes the window (a checkpoint).
+	// Between checkpoints, the copies the next write makes of the nodes
+	// this clone shares are garbage once it is cleared: only the nodes
+	// the window's writes touch are copied for the checkpoint.
+	snap := &snapshot{rev: rev, events: events, bytes: added, kvs: s.latest.Clone()}
+	if !checkpoint {
+		snap.prev = s.newest
+	}
+	replaced := s.newest
+	s.newest = snap
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if replaced.prev != nil {
+		replaced.kvs = nil
+	}
 	s.snapshots.ReplaceOrInsert(snap)
 	s.rev = rev
 	s.liveBytes += live
@@ -418,10 +506,14 @@ type View struct {
 	// StoreRev is the store's revision when the view was taken: what etcd
 	// puts in a response header.
 	StoreRev int64
-	snap     *snapshot
-	gen      uint64 // the store's generation when the view was taken
-	kvs      *btree.BTreeG[*mvccpb.KeyValue]
-	flat     *flatRanges
+	snap     *snapshot // the snapshot read: the floor of Rev
+	gen      uint64    // the store's generation when the view was taken
+	// kvs is the tree read: snap's own, or its checkpoint's, in which
+	// case the events of the snapshots from snap back to (not
+	// including) the checkpoint are overlaid on it.
+	kvs     *btree.BTreeG[*mvccpb.KeyValue]
+	overlay bool
+	flat    *flatRanges
 }
 
 // View returns the keyspace at rev (0 means the store's revision), with
@@ -447,26 +539,13 @@ func (s *Store) View(rev int64) (View, error) {
 	if floor == nil {
 		return View{}, ErrNotRetained
 	}
-	return View{Rev: rev, StoreRev: s.rev, snap: floor, gen: s.gen, kvs: floor.kvs, flat: &s.flat}, nil
-}
-
-// Get returns the key-value of key in the view, if it exists.
-func (v View) Get(key []byte) (*mvccpb.KeyValue, bool) {
-	return v.kvs.Get(&mvccpb.KeyValue{Key: key})
-}
-
-// Ascend calls fn for every key-value in [key, end) in key order until fn
-// returns false. An empty end means no upper bound.
-func (v View) Ascend(key, end []byte, fn func(*mvccpb.KeyValue) bool) {
-	pivot := &mvccpb.KeyValue{Key: key}
-	if len(end) == 0 {
-		v.kvs.AscendGreaterOrEqual(pivot, fn)
-		return
+	v := View{Rev: rev, StoreRev: s.rev, snap: floor, gen: s.gen, kvs: floor.kvs, flat: &s.flat}
+	if v.kvs == nil {
+		// Outside the lock the walk would do too (prev and checkpoint
+		// trees are immutable), but it is at most one window long.
+		v.kvs, v.overlay = floor.checkpoint().kvs, true
 	}
-	if bytes.Compare(key, end) >= 0 {
-		return
-	}
-	v.kvs.AscendRange(pivot, &mvccpb.KeyValue{Key: end}, fn)
+	return v, nil
 }
 
 // HistoryStart returns the first revision whose events the store holds:

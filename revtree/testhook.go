@@ -17,7 +17,11 @@ func (s *Store) CorruptForTest(kv *mvccpb.KeyValue) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if newest, ok := s.snapshots.Max(); ok {
-		s.snapshots.ReplaceOrInsert(&snapshot{rev: newest.rev, kvs: s.latest.Clone(), events: newest.events, bytes: newest.bytes})
+		// A checkpoint, so that the revisions after it are read from
+		// the corrupted tree.
+		s.newest = &snapshot{rev: newest.rev, kvs: s.latest.Clone(), events: newest.events, bytes: newest.bytes}
+		s.window.revs, s.window.events = 0, 0
+		s.snapshots.ReplaceOrInsert(s.newest)
 		// The replaced snapshot's flattened ranges would never be hit
 		// again: drop every range.
 		s.gen++
