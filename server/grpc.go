@@ -24,6 +24,7 @@ import (
 	"go.etcd.io/etcd/server/v3/etcdserver/api/v3lock/v3lockpb"
 	"go.etcd.io/etcd/server/v3/proxy/grpcproxy"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
 )
@@ -51,6 +52,9 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		grpc.MaxRecvMsgSize(s.cfg.MaxRequestBytes + grpcOverheadBytes),
 		grpc.MaxSendMsgSize(maxSendBytes),
 		grpc.MaxConcurrentStreams(s.cfg.MaxConcurrentStreams),
+		// Watch events go out pre-encoded, shared by every watcher;
+		// every other message is gRPC's proto codec's.
+		wirecodec.ServerOption(),
 	}
 	if s.cfg.GRPCKeepAliveMinTime > 0 {
 		// As etcd: clients ping every 30 s on open streams, which a

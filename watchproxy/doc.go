@@ -15,6 +15,15 @@
 // mirrored above the store's head, and reads on from the history, unless
 // its slow client let the events it needs be dropped.
 //
+// Events are encoded once, not once per watcher: a server-wide cache holds
+// the newest revisions' events in their wire form, with and without
+// prev_kv, and every stream sends those bytes behind each response's own
+// header and watch id, through the gRPC codec of internal/wirecodec, which
+// the server must install (wirecodec.ServerOption; without it the
+// responses are decoded and encoded again, correct but slow). The bytes
+// are those proto.Marshal gives for the same response, fragments
+// included.
+//
 // A watcher whose start revision is older than the proxy's history but still
 // retained by etcd (after a proxy restart or reload) is caught up from etcd
 // with one bounded upstream watch of its range. Its events up to where the

@@ -2,6 +2,7 @@ package watchproxy
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -14,6 +15,7 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -167,6 +169,24 @@ func (s *fakeStream) Send(r *pb.WatchResponse) error {
 		return nil
 	case <-s.ctx.Done():
 		return s.ctx.Err()
+	}
+}
+
+// SendMsg takes the pre-encoded responses of the event sends: the client
+// gets them decoded, as gRPC's client decodes them. Their bytes must be
+// proto.Marshal's, which the client cannot tell apart (TestEncodedResponses).
+func (s *fakeStream) SendMsg(m any) error {
+	switch m := m.(type) {
+	case *pb.WatchResponse:
+		return s.Send(m)
+	case *wirecodec.Encoded:
+		r := &pb.WatchResponse{}
+		if err := proto.Unmarshal(m.Bytes(), r); err != nil {
+			return fmt.Errorf("decoding a pre-encoded watch response: %w", err)
+		}
+		return s.Send(r)
+	default:
+		return fmt.Errorf("fakeStream: sending a %T", m)
 	}
 }
 

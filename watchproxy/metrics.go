@@ -13,6 +13,7 @@ type Metrics struct {
 	catchupRestarts  *prometheus.CounterVec
 	compactedCancels prometheus.Counter
 	relayedStreams   prometheus.Counter
+	encoded          prometheus.Gauge
 }
 
 // NewMetrics creates the Watch service's metrics and registers them with reg.
@@ -50,8 +51,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "etcd_snapcache_watch_relayed_streams_total",
 			Help: "Watch streams relayed to etcd because they carry an auth token.",
 		}),
+		encoded: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "etcd_snapcache_watch_encoded_bytes",
+			Help: "Bytes of the newest revisions' events held encoded, shared by every watch stream that sends them, with the events they keep alive.",
+		}),
 	}
-	reg.MustRegister(m.streams, m.watchers, m.eventsSent, m.catchups, m.catchupsRunning, m.catchupRestarts, m.compactedCancels, m.relayedStreams)
+	reg.MustRegister(m.streams, m.watchers, m.eventsSent, m.catchups, m.catchupsRunning, m.catchupRestarts, m.compactedCancels, m.relayedStreams, m.encoded)
 	return m
 }
 
@@ -112,5 +117,11 @@ func (m *Metrics) catchupRunning(delta int) {
 func (m *Metrics) catchupRestarted(reason string) {
 	if m != nil {
 		m.catchupRestarts.WithLabelValues(reason).Inc()
+	}
+}
+
+func (m *Metrics) encodedBytes(delta int64) {
+	if m != nil {
+		m.encoded.Add(float64(delta))
 	}
 }

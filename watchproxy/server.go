@@ -112,7 +112,8 @@ type Config struct {
 	Metrics *Metrics
 }
 
-// Server implements etcdserverpb.WatchServer.
+// Server implements etcdserverpb.WatchServer. Its gRPC server must use
+// wirecodec.ServerOption, which sends the pre-encoded event responses.
 type Server struct {
 	pb.UnsafeWatchServer
 
@@ -129,6 +130,8 @@ type Server struct {
 	maxBytes        int
 	lg              *zap.Logger
 	m               *Metrics
+
+	enc *encodings // events encoded once for every stream
 
 	catchups     chan struct{} // semaphore of upstream catch-up watches
 	catchupStall time.Duration // catchupStall; tests shorten it
@@ -181,6 +184,7 @@ func New(cfg Config) *Server {
 		maxBytes:        cfg.FragmentBytes,
 		lg:              cfg.Logger,
 		m:               cfg.Metrics,
+		enc:             newEncodings(defaultEncodedBytes, defaultEncodedRevs, cfg.Metrics),
 		catchups:        make(chan struct{}, maxCatchups),
 		catchupStall:    catchupStall,
 		closing:         make(chan struct{}),

@@ -11,6 +11,7 @@ import (
 
 	"go.uber.org/zap"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
@@ -19,6 +20,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/storage/mvcc"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -74,6 +76,16 @@ type stream struct {
 	progressChecking  int              // covered by the running check
 	progressProven    []provenProgress // proven by a check, awaiting the watchers; oldest first
 	freshPending      bool             // a freshness check is running
+
+	// Scratch of the event sends, reused so that a send allocates only
+	// its message: a watcher's event entries, and a response's pieces.
+	entries, pieces []mem.Buffer
+	// headerField is the header field of responses at headerFieldRev,
+	// encoded once per pass (nil when not yet).
+	headerFieldRev int64
+	headerField    mem.Buffer
+	// unsent counts the events sent this pass, not yet in the metrics.
+	unsent int
 
 	freshc   chan freshResult  // a freshness check's result, to the send loop
 	catchupc chan catchupBatch // catch-up events and results, to the send loop
@@ -369,6 +381,10 @@ func (st *stream) endRelist(why string, err error) error {
 // holds it. A synced watcher is canceled only once its events are gone
 // (deliverEach), as etcd cancels a watcher that fell behind its channel.
 func (st *stream) deliver() (more bool, err error) {
+	// The header's member fields (raft term) may have moved since the
+	// last pass.
+	st.headerField = nil
+	defer st.countSent()
 	rev := st.s.store.Rev()
 	compactRev := st.s.store.CompactRev()
 	from := int64(math.MaxInt64)
@@ -409,9 +425,10 @@ func (st *stream) deliverFrom(from, rev int64) (more bool, err error) {
 		// Some watcher is behind the history: settle each on its own.
 		return st.deliverEach(rev)
 	}
+	encs := st.lookup(batches)
 	for _, w := range st.watchers {
 		if w.active() && w.nextRev <= complete {
-			if err := st.sendEvents(w, batches, complete); err != nil {
+			if err := st.sendEvents(w, batches, encs, complete); err != nil {
 				return false, err
 			}
 		}
@@ -435,7 +452,7 @@ func (st *stream) deliverEach(rev int64) (more bool, err error) {
 			err = nil
 		case err == nil:
 			more = more || complete < rev
-			err = st.sendEvents(w, batches, complete)
+			err = st.sendEvents(w, batches, st.lookup(batches), complete)
 		default: // not loaded: wait for the load
 			err = nil
 		}
@@ -446,22 +463,116 @@ func (st *stream) deliverEach(rev int64) (more bool, err error) {
 	return more, nil
 }
 
+// lookup returns the shared encodings of batches' revisions.
+func (st *stream) lookup(batches []revtree.Batch) []*revEvents {
+	encs := make([]*revEvents, len(batches))
+	for i, b := range batches {
+		encs[i] = st.s.enc.lookup(b)
+	}
+	return encs
+}
+
 // sendEvents sends w its events of batches from w.nextRev up to complete,
-// and moves it past complete.
-func (st *stream) sendEvents(w *watcher, batches []revtree.Batch, complete int64) error {
-	var evs []*mvccpb.Event
-	for _, b := range batches {
+// and moves it past complete. encs are the batches' encodings.
+func (st *stream) sendEvents(w *watcher, batches []revtree.Batch, encs []*revEvents, complete int64) error {
+	entries, n := st.entries[:0], 0
+	for i, b := range batches {
 		if b.Rev >= w.nextRev && b.Rev <= complete {
-			evs = w.matching(evs, b.Events)
+			var k int
+			entries, k = w.matchingEncoded(entries, b.Events, func() *encodedEvents { return st.s.enc.encoded(encs[i], w.prevKV) })
+			n += k
 		}
 	}
 	w.nextRev = complete + 1
-	if len(evs) == 0 {
+	defer func() {
+		// Held until the next send, the entries would keep dropped
+		// encodings alive.
+		clear(entries)
+		st.entries = entries[:0]
+	}()
+	if n == 0 {
 		return nil
 	}
-	return st.sendWatcherEvents(w, evs, complete)
+	w.idle = false
+	st.unsent += n
+	return st.sendEntries(w, st.encodedHeader(complete), entries)
 }
 
+// encodedHeader returns the header field of responses at rev, encoded
+// once per pass.
+func (st *stream) encodedHeader(rev int64) mem.Buffer {
+	if st.headerField == nil || st.headerFieldRev != rev {
+		st.headerFieldRev = rev
+		st.headerField = wirecodec.Piece(appendMessage(nil, fieldHeader, st.header(rev)))
+	}
+	return st.headerField
+}
+
+// sendEntries sends w a response of header and events' entries, in
+// fragments if it asked for them and the response is too big, as
+// sendFragments splits it: the sizes are proto.Size's, since the bytes
+// are proto.Marshal's.
+func (st *stream) sendEntries(w *watcher, header mem.Buffer, events []mem.Buffer) error {
+	fixed := header.Len()
+	if w.idField != nil {
+		fixed += w.idField.Len()
+	}
+	size := fixed
+	for _, e := range events {
+		size += e.Len()
+	}
+	if !w.fragment || size < st.s.maxBytes || len(events) < 2 {
+		return st.sendResponse(header, w.idField, nil, events)
+	}
+	fixed += fragmentPiece.Len()
+	for start := 0; start < len(events); {
+		end, size := start, fixed
+		for _, e := range events[start:] {
+			size += e.Len()
+			if end > start && size >= st.s.maxBytes {
+				break
+			}
+			end++
+		}
+		fragment := fragmentPiece
+		if end == len(events) {
+			fragment = nil
+		}
+		if err := st.sendResponse(header, w.idField, fragment, events[start:end]); err != nil {
+			return err
+		}
+		start = end
+	}
+	return nil
+}
+
+// sendResponse sends a WatchResponse of the given fields (nil ones are
+// not written), in field order.
+func (st *stream) sendResponse(header, id, fragment mem.Buffer, events []mem.Buffer) error {
+	pieces := append(st.pieces[:0], header)
+	if id != nil {
+		pieces = append(pieces, id)
+	}
+	if fragment != nil {
+		pieces = append(pieces, fragment)
+	}
+	pieces = append(pieces, events...)
+	msg := wirecodec.NewEncoded(watchResponseType, pieces)
+	clear(pieces)
+	st.pieces = pieces[:0]
+	return st.gs.SendMsg(msg)
+}
+
+// countSent adds the events sent this pass to the metrics.
+func (st *stream) countSent() {
+	if st.unsent > 0 {
+		st.s.m.sent(st.unsent)
+		st.unsent = 0
+	}
+}
+
+// sendWatcherEvents sends w events relayed from etcd by its catch-up,
+// encoded for it alone: they are in no history other streams read.
 func (st *stream) sendWatcherEvents(w *watcher, evs []*mvccpb.Event, rev int64) error {
 	w.idle = false
 	st.s.m.sent(len(evs))

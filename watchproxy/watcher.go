@@ -3,10 +3,13 @@ package watchproxy
 import (
 	"bytes"
 
+	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 )
 
 // watcher is one watch of a stream.
@@ -39,6 +42,10 @@ type watcher struct {
 	// in etcd, its id stays taken, it blocks requested progress, and the
 	// client's cancel is answered, until the client cancels it.
 	compacted bool
+
+	// idField is the watch_id field of the watcher's responses, encoded
+	// once (nil for id 0, which proto3 does not write).
+	idField mem.Buffer
 }
 
 func newWatcher(id int64, cr *pb.WatchCreateRequest, key, end []byte) *watcher {
@@ -50,6 +57,9 @@ func newWatcher(id int64, cr *pb.WatchCreateRequest, key, end []byte) *watcher {
 		prevKV:         cr.PrevKv,
 		fragment:       cr.Fragment,
 		progressNotify: cr.ProgressNotify,
+	}
+	if id != 0 {
+		w.idField = wirecodec.Piece(appendInt(nil, fieldWatchID, id))
 	}
 	for _, f := range cr.Filters {
 		switch f {
@@ -76,14 +86,47 @@ func (w *watcher) contains(key []byte) bool {
 	}
 }
 
+// wants reports whether the watcher is sent ev: its key is in range, and
+// no filter drops it.
+func (w *watcher) wants(ev *mvccpb.Event) bool {
+	if !w.contains(ev.Kv.Key) {
+		return false
+	}
+	return !(ev.Type == mvccpb.PUT && w.noPut) && !(ev.Type == mvccpb.DELETE && w.noDelete)
+}
+
+// matchingEncoded appends the entries of the events of one revision that
+// the watcher wants, in the form it wants them, to out, and returns how
+// many events they are. enc gives the revision's entries, with prev_kv or
+// not as the watcher wants; it is called once the watcher wants an event,
+// so that a revision no watcher wants is never encoded. A watcher that
+// wants every event gets the one piece of them all, unless it fragments
+// (fragments split between events).
+func (w *watcher) matchingEncoded(out []mem.Buffer, events []*mvccpb.Event, enc func() *encodedEvents) ([]mem.Buffer, int) {
+	var ee *encodedEvents
+	start := len(out)
+	for i, ev := range events {
+		if !w.wants(ev) {
+			continue
+		}
+		if ee == nil {
+			ee = enc()
+		}
+		out = append(out, ee.each[i])
+	}
+	n := len(out) - start
+	if n == len(events) && n > 1 && !w.fragment {
+		clear(out[start+1:])
+		out = append(out[:start], ee.all)
+	}
+	return out, n
+}
+
 // matching appends the events of one revision that the watcher wants, in
 // the form it wants them, to out.
 func (w *watcher) matching(out []*mvccpb.Event, events []*mvccpb.Event) []*mvccpb.Event {
 	for _, ev := range events {
-		if !w.contains(ev.Kv.Key) {
-			continue
-		}
-		if (ev.Type == mvccpb.PUT && w.noPut) || (ev.Type == mvccpb.DELETE && w.noDelete) {
+		if !w.wants(ev) {
 			continue
 		}
 		if w.prevKV || ev.PrevKv == nil {

@@ -1,0 +1,125 @@
+// Package wirecodec is the gRPC server codec that sends messages already
+// encoded: a watch event goes to thousands of watchers on many streams, and
+// encoding it once for all of them instead of once per watcher is most of
+// the fan-out's cost. grpc.PreparedMsg cannot do that, since it is encoded
+// for one stream.
+//
+// An Encoded message is a list of pieces, byte slices sent one after the
+// other, that may be shared by any number of messages and streams. Every
+// other message goes through gRPC's own proto codec, unchanged.
+//
+// Invariant: the producer of an Encoded guarantees that its bytes are what
+// proto.Marshal produces for the message it stands for; clients cannot tell
+// the difference. The pieces are never modified once built.
+package wirecodec
+
+import (
+	"fmt"
+	"slices"
+	"sync"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/encoding"
+	grpcproto "google.golang.org/grpc/encoding/proto" // registers the proto codec
+	"google.golang.org/grpc/mem"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+)
+
+// Piece wraps b as one piece of an Encoded. gRPC neither frees nor pools
+// it (a mem.SliceBuffer's Ref and Free do nothing), so one piece can be in
+// any number of messages, sent any number of times, concurrently; b must
+// not be modified afterwards. Making the piece boxes the slice header: a
+// piece used by many messages is worth making once.
+func Piece(b []byte) mem.Buffer { return mem.SliceBuffer(b) }
+
+// inlinePieces is how many pieces an Encoded holds without a second
+// allocation: a watch response with one event is three (header, watch id,
+// event).
+const inlinePieces = 4
+
+// Encoded is a message in its wire form. It is a proto.Message too, by
+// decoding its bytes (ProtoReflect), so that whatever inspects a payload
+// (interceptors, payload logging) still sees the message, and so that a
+// server without this codec still sends it correctly, only slower.
+type Encoded struct {
+	typ    protoreflect.MessageType
+	pieces mem.BufferSlice // every one a Piece
+	inline [inlinePieces]mem.Buffer
+
+	decodeOnce sync.Once
+	decoded    protoreflect.Message // set by decodeOnce
+}
+
+// NewEncoded returns the message of type typ whose encoding is the
+// concatenation of pieces, each made by Piece. The pieces slice is copied,
+// so the caller may reuse it.
+func NewEncoded(typ protoreflect.MessageType, pieces []mem.Buffer) *Encoded {
+	e := &Encoded{typ: typ}
+	if len(pieces) <= len(e.inline) {
+		e.pieces = e.inline[:copy(e.inline[:], pieces)]
+	} else {
+		e.pieces = slices.Clone(pieces)
+	}
+	return e
+}
+
+// Len is the size of the encoding.
+func (e *Encoded) Len() int { return e.pieces.Len() }
+
+// Bytes returns the encoding in one new slice.
+func (e *Encoded) Bytes() []byte { return e.pieces.Materialize() }
+
+// ProtoReflect returns the message decoded, once: the payload logger shows
+// it, and gRPC's proto codec, if the server lacks this one, encodes it
+// again to the same bytes. It must return the same message on every call,
+// because that codec sizes and then marshals it with the cached size.
+// Encoded bytes that do not decode, which the producer's invariant rules
+// out, give an empty message.
+func (e *Encoded) ProtoReflect() protoreflect.Message {
+	e.decodeOnce.Do(func() {
+		m := e.typ.New()
+		if err := proto.Unmarshal(e.Bytes(), m.Interface()); err != nil {
+			m = e.typ.New()
+		}
+		e.decoded = m
+	})
+	return e.decoded
+}
+
+var _ proto.Message = (*Encoded)(nil)
+
+// codec sends an Encoded as it is and hands everything else to gRPC's proto
+// codec.
+type codec struct {
+	proto encoding.CodecV2
+}
+
+// Codec returns the server codec: Encoded messages are sent as they are,
+// every other message is gRPC's proto codec's.
+func Codec() encoding.CodecV2 {
+	c := encoding.GetCodecV2(grpcproto.Name)
+	if c == nil {
+		// The import above registers it; nil would be a broken build.
+		panic(fmt.Sprintf("wirecodec: gRPC's %q codec is not registered", grpcproto.Name))
+	}
+	return codec{proto: c}
+}
+
+// ServerOption makes a gRPC server use Codec for every call, whatever the
+// content-subtype: the etcd API is protobuf only.
+func ServerOption() grpc.ServerOption { return grpc.ForceServerCodecV2(Codec()) }
+
+// Marshal returns an Encoded's pieces themselves: gRPC reads them and then
+// frees them, which a Piece ignores, so the message can be sent again.
+func (c codec) Marshal(v any) (mem.BufferSlice, error) {
+	if e, ok := v.(*Encoded); ok {
+		return e.pieces, nil
+	}
+	return c.proto.Marshal(v)
+}
+
+func (c codec) Unmarshal(data mem.BufferSlice, v any) error { return c.proto.Unmarshal(data, v) }
+
+// Name is the proto codec's: the bytes on the wire are protobuf.
+func (c codec) Name() string { return grpcproto.Name }

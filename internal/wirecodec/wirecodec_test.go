@@ -1,0 +1,286 @@
+package wirecodec
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/encoding"
+	grpcproto "google.golang.org/grpc/encoding/proto"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/mvccpb"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+var watchResponseType = (&pb.WatchResponse{}).ProtoReflect().Type()
+
+func sampleResponse() *pb.WatchResponse {
+	return &pb.WatchResponse{
+		Header:  &pb.ResponseHeader{ClusterId: 1, MemberId: 2, Revision: 42, RaftTerm: 3},
+		WatchId: 7,
+		Events: []*mvccpb.Event{
+			{Kv: &mvccpb.KeyValue{Key: []byte("a"), Value: []byte("1"), ModRevision: 42}},
+			{Type: mvccpb.DELETE, Kv: &mvccpb.KeyValue{Key: []byte("b"), ModRevision: 42}, PrevKv: &mvccpb.KeyValue{Key: []byte("b"), Value: []byte("0")}},
+		},
+	}
+}
+
+// encodedInPieces is m's encoding cut into three pieces.
+func encodedInPieces(t *testing.T, m proto.Message) ([]byte, *Encoded) {
+	t.Helper()
+	b, err := proto.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	third := len(b) / 3
+	return b, NewEncoded(m.ProtoReflect().Type(), []mem.Buffer{Piece(b[:third]), Piece(b[third : 2*third]), Piece(b[2*third:])})
+}
+
+// TestCodecSendsEncodedAsIs: an Encoded is marshaled to its pieces, the
+// same bytes on every send, even after gRPC freed the previous send's
+// buffers.
+func TestCodecSendsEncodedAsIs(t *testing.T) {
+	want, e := encodedInPieces(t, sampleResponse())
+	c := Codec()
+	for range 3 {
+		data, err := c.Marshal(e)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := data.Materialize(); !bytes.Equal(got, want) {
+			t.Fatalf("marshaled %x, want %x", got, want)
+		}
+		data.Free() // as gRPC does once the message is written
+	}
+	if e.Len() != len(want) || !bytes.Equal(e.Bytes(), want) {
+		t.Fatalf("Len %d, Bytes %x; want %d, %x", e.Len(), e.Bytes(), len(want), want)
+	}
+
+	// More pieces than held inline.
+	var pieces []mem.Buffer
+	for _, b := range want {
+		pieces = append(pieces, Piece([]byte{b}))
+	}
+	if got := NewEncoded(watchResponseType, pieces).Bytes(); !bytes.Equal(got, want) {
+		t.Fatalf("one piece a byte gives %x, want %x", got, want)
+	}
+}
+
+// TestCodecFallsBackToProto: every other message is gRPC's proto codec's,
+// both ways.
+func TestCodecFallsBackToProto(t *testing.T) {
+	c, std := Codec(), encoding.GetCodecV2(grpcproto.Name)
+	if c.Name() != std.Name() {
+		t.Fatalf("name %q, want %q", c.Name(), std.Name())
+	}
+	for _, m := range []proto.Message{
+		sampleResponse(),
+		&pb.RangeResponse{Header: &pb.ResponseHeader{Revision: 5}, Kvs: []*mvccpb.KeyValue{{Key: []byte("k"), Value: bytes.Repeat([]byte("v"), 100_000)}}, Count: 1},
+		&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CreateRequest{CreateRequest: &pb.WatchCreateRequest{Key: []byte("k"), PrevKv: true}}},
+	} {
+		got, err := c.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want, err := std.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got.Materialize(), want.Materialize()) {
+			t.Fatalf("%T: marshaled unlike gRPC's proto codec", m)
+		}
+		back := m.ProtoReflect().New().Interface()
+		if err := c.Unmarshal(got, back); err != nil {
+			t.Fatal(err)
+		}
+		if !proto.Equal(back, m) {
+			t.Fatalf("%T: unmarshaled %v, want %v", m, back, m)
+		}
+		got.Free()
+		want.Free()
+	}
+	if _, err := c.Marshal("not a message"); err == nil {
+		t.Fatal("marshaled a string")
+	}
+}
+
+// TestEncodedIsItsMessage: what inspects a payload sees the message an
+// Encoded stands for: protojson (the payload logger), and proto.Marshal
+// (gRPC's proto codec on a server without this one), which gives the same
+// bytes back.
+func TestEncodedIsItsMessage(t *testing.T) {
+	m := sampleResponse()
+	want, e := encodedInPieces(t, m)
+	if !proto.Equal(e, m) {
+		t.Fatalf("decoded %v, want %v", e.ProtoReflect().Interface(), m)
+	}
+	if e.ProtoReflect() != e.ProtoReflect() {
+		t.Fatal("decoded twice: gRPC's proto codec sizes and marshals the same message")
+	}
+	j1, err := protojson.Marshal(e)
+	if err != nil {
+		t.Fatal(err)
+	}
+	j2, _ := protojson.Marshal(m)
+	if !bytes.Equal(j1, j2) {
+		t.Fatalf("protojson %s, want %s", j1, j2)
+	}
+	data, err := encoding.GetCodecV2(grpcproto.Name).Marshal(e)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := data.Materialize(); !bytes.Equal(got, want) {
+		t.Fatalf("gRPC's proto codec marshaled %x, want %x", got, want)
+	}
+}
+
+// watchService sends each request's client one pre-encoded response and
+// one plain response.
+type watchService struct {
+	pb.UnimplementedWatchServer
+	encoded *Encoded
+	plain   *pb.WatchResponse
+}
+
+func (s *watchService) Watch(gs pb.Watch_WatchServer) error {
+	for {
+		if _, err := gs.Recv(); err != nil {
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return err
+		}
+		if err := gs.SendMsg(s.encoded); err != nil {
+			return err
+		}
+		if err := gs.Send(s.plain); err != nil {
+			return err
+		}
+	}
+}
+
+// payloadLog records the payloads the logging interceptor reports, in
+// JSON as server/grpc.go logs them.
+type payloadLog struct {
+	mu   sync.Mutex
+	sent [][]byte
+}
+
+func (l *payloadLog) PostCall(error, time.Duration)               {}
+func (l *payloadLog) PostMsgReceive(any, error, time.Duration)    {}
+func (l *payloadLog) PostMsgSend(p any, _ error, _ time.Duration) { l.record(p) }
+
+func (l *payloadLog) record(p any) {
+	m, ok := p.(proto.Message)
+	if !ok {
+		return
+	}
+	b, _ := protojson.Marshal(m)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.sent = append(l.sent, b)
+}
+
+// countingStream counts the messages sent, as the server's grpc_server_*
+// metrics do: every SendMsg, whatever the message.
+type countingStream struct {
+	grpc.ServerStream
+	sent *atomic.Int64
+}
+
+func (c countingStream) SendMsg(m any) error {
+	err := c.ServerStream.SendMsg(m)
+	c.sent.Add(1)
+	return err
+}
+
+// TestServerSendsEncodedThroughInterceptors: a gRPC server with the codec
+// and interceptors like the proxy's (message counting, payload logging)
+// sends a pre-encoded response as the client expects it, counts it, and
+// logs it as the message it stands for.
+func TestServerSendsEncodedThroughInterceptors(t *testing.T) {
+	encodedMsg := sampleResponse()
+	_, e := encodedInPieces(t, encodedMsg)
+	plain := &pb.WatchResponse{Header: &pb.ResponseHeader{Revision: 43}, WatchId: -1}
+
+	var sent atomic.Int64
+	count := func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+		return handler(srv, countingStream{ServerStream: ss, sent: &sent})
+	}
+	log := &payloadLog{}
+	gs := grpc.NewServer(ServerOption(),
+		grpc.ChainStreamInterceptor(count, interceptors.StreamServerInterceptor(interceptors.CommonReportableFunc(func(ctx context.Context, c interceptors.CallMeta) (interceptors.Reporter, context.Context) {
+			return log, ctx
+		}))))
+	pb.RegisterWatchServer(gs, &watchService{encoded: e, plain: plain})
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- gs.Serve(lis) }()
+	defer func() {
+		gs.Stop()
+		if err := <-served; err != nil {
+			t.Error(err)
+		}
+	}()
+
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	ws, err := pb.NewWatchClient(conn).Watch(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const rounds = 3
+	for range rounds {
+		if err := ws.Send(&pb.WatchRequest{}); err != nil {
+			t.Fatal(err)
+		}
+		for _, want := range []*pb.WatchResponse{encodedMsg, plain} {
+			got, err := ws.Recv()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !proto.Equal(got, want) {
+				t.Fatalf("received %v, want %v", got, want)
+			}
+		}
+	}
+	if err := ws.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ws.Recv(); !errors.Is(err, io.EOF) {
+		t.Fatalf("the stream ended with %v, want EOF", err)
+	}
+
+	if got := sent.Load(); got != 2*rounds {
+		t.Fatalf("counted %d messages sent, want %d", got, 2*rounds)
+	}
+	wantLog, _ := protojson.Marshal(encodedMsg)
+	log.mu.Lock()
+	defer log.mu.Unlock()
+	if len(log.sent) != 2*rounds || !bytes.Equal(log.sent[0], wantLog) {
+		t.Fatalf("logged %d payloads, the first %s; want %d, the first %s", len(log.sent), log.sent[0], 2*rounds, wantLog)
+	}
+}
