@@ -344,6 +344,9 @@ func Start(cfg Config) (*Server, error) {
 	ok := false
 	defer func() {
 		if !ok {
+			if s.grpcServer != nil {
+				s.grpcServer.Stop() // ends its stream workers
+			}
 			s.closeAll()
 		}
 	}()
