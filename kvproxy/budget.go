@@ -39,9 +39,13 @@ func (s *Server) admitCached(ctx context.Context, view revtree.View, r *pb.Range
 	if s.budget == nil {
 		return 0, nil
 	}
+	n := s.budget.clamp(s.budget.estimate(view, r, opts))
+	if s.budget.tryAcquire(n) {
+		return n, nil // no wait: no context for one
+	}
 	wctx, cancel := s.queueContext(ctx)
 	defer cancel()
-	held, err := s.budget.acquire(wctx, s.budget.estimate(view, r, opts))
+	held, err := s.budget.acquire(wctx, n)
 	if err != nil {
 		return 0, admissionError(ctx, errMemory)
 	}
@@ -55,9 +59,13 @@ func (s *Server) fitCached(ctx context.Context, held int64, resp *pb.RangeRespon
 	if s.budget == nil {
 		return 0, nil
 	}
+	n := s.budget.clamp(s.budget.measure(resp))
+	if s.budget.resizeNow(held, n) {
+		return n, nil // no wait: no context for one
+	}
 	wctx, cancel := s.queueContext(ctx)
 	defer cancel()
-	held, err := s.budget.resize(wctx, held, s.budget.measure(resp))
+	held, err := s.budget.acquire(wctx, n)
 	if err != nil {
 		return 0, admissionError(ctx, errMemory)
 	}
@@ -243,13 +251,23 @@ func (b *byteBudget) measure(resp *pb.RangeResponse) int64 {
 // other. It returns the bytes now held.
 func (b *byteBudget) resize(ctx context.Context, held, n int64) (int64, error) {
 	n = b.clamp(n)
+	if b.resizeNow(held, n) {
+		return n, nil
+	}
+	return b.acquire(ctx, n)
+}
+
+// resizeNow is resize's part that never waits: it reports whether the
+// held bytes became n (clamped); if not, it gave back what it held, and
+// the caller waits for n with acquire.
+func (b *byteBudget) resizeNow(held, n int64) bool {
 	switch {
 	case n <= held:
 		b.release(held - n)
-		return n, nil
+		return true
 	case b.tryAcquire(n - held):
-		return n, nil
+		return true
 	}
 	b.release(held)
-	return b.acquire(ctx, n)
+	return false
 }

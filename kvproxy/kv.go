@@ -161,6 +161,7 @@ type Server struct {
 	budget       *byteBudget   // bytes of cached responses in flight; nil: no bound
 	queueWait    time.Duration // bound of a wait for admission without a deadline; maxQueueWait if 0
 	releases     releaseCache
+	beginner     fenceBeginner // follower, if it can begin fences; else nil
 }
 
 var _ pb.KVServer = (*Server)(nil)
@@ -193,7 +194,9 @@ func New(cfg Config) *Server {
 			return nil
 		}
 	}
+	beginner, _ := cfg.Follower.(fenceBeginner)
 	return &Server{
+		beginner:     beginner,
 		store:        cfg.Store,
 		follower:     cfg.Follower,
 		upstream:     cfg.Upstream,
@@ -356,11 +359,9 @@ func (s *Server) rules() releaseRules { return s.releases.get(s.follower.Upstrea
 // metadata, as clientv3.WithRequireLeader sets) while etcd reports having
 // none, as etcd's own interceptor does for every request.
 func (s *Server) checkLeader(ctx context.Context) error {
-	md, ok := metadata.FromIncomingContext(ctx)
-	if !ok {
-		return nil
-	}
-	if v := md.Get(rpctypes.MetadataRequireLeaderKey); len(v) == 0 || v[0] != rpctypes.MetadataHasLeader {
+	// ValueFromIncomingContext, unlike FromIncomingContext, copies no
+	// more than the one key's values.
+	if v := metadata.ValueFromIncomingContext(ctx, rpctypes.MetadataRequireLeaderKey); len(v) == 0 || v[0] != rpctypes.MetadataHasLeader {
 		return nil
 	}
 	if lost, _ := s.follower.LeaderLost(); lost {

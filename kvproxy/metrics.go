@@ -1,6 +1,10 @@
 package kvproxy
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // source is where a Range was answered from: the "source" label of the
 // ranges metric.
@@ -48,7 +52,12 @@ const (
 // Metrics are the KV service's Prometheus metrics. A nil *Metrics records
 // nothing.
 type Metrics struct {
-	ranges          *prometheus.CounterVec
+	ranges *prometheus.CounterVec
+	// rangeSeries are ranges' series by labels, each resolved on first
+	// use (a series exists once a request was counted in it, as with
+	// WithLabelValues): a request then neither hashes its labels nor
+	// allocates them. Read-only after NewMetrics.
+	rangeSeries     map[rangeLabels]*lazyCounter
 	wentBack        prometheus.Counter
 	cachedReadBytes prometheus.Gauge
 }
@@ -70,7 +79,38 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 	}
 	reg.MustRegister(m.ranges, m.wentBack, m.cachedReadBytes)
+	m.rangeSeries = make(map[rangeLabels]*lazyCounter)
+	for _, src := range []source{sourceCache, sourceForwarded, sourceRejected} {
+		for _, why := range knownReasons {
+			m.rangeSeries[rangeLabels{src, why}] = &lazyCounter{}
+		}
+	}
 	return m
+}
+
+// knownReasons are the reasons a Range is counted with; one missing here
+// is counted all the same, through WithLabelValues.
+var knownReasons = []reason{
+	reasonLinearizable, reasonHistorical, reasonSerializable, reasonWaited,
+	reasonAuth, reasonInconsistent, reasonNotRetained, reasonAhead, reasonNotReady, reasonVersionUnknown, reasonRangeStream,
+	reasonLoading, reasonFreshTimeout, reasonFreshError,
+	reasonCompacted, reasonFuture, reasonOverload, reasonMemory,
+}
+
+type rangeLabels struct {
+	src source
+	why reason
+}
+
+// lazyCounter is a series of a CounterVec, resolved once.
+type lazyCounter struct {
+	once sync.Once
+	c    prometheus.Counter
+}
+
+func (l *lazyCounter) get(vec *prometheus.CounterVec, src source, why reason) prometheus.Counter {
+	l.once.Do(func() { l.c = vec.WithLabelValues(string(src), string(why)) })
+	return l.c
 }
 
 func (m *Metrics) observeWentBack() {
@@ -87,6 +127,10 @@ func (m *Metrics) setCachedReadBytes(n int64) {
 
 func (m *Metrics) observe(src source, why reason) {
 	if m != nil {
+		if l := m.rangeSeries[rangeLabels{src, why}]; l != nil {
+			l.get(m.ranges, src, why).Inc()
+			return
+		}
 		m.ranges.WithLabelValues(string(src), string(why)).Inc()
 	}
 }

@@ -3,6 +3,7 @@ package kvproxy
 import (
 	"context"
 	"errors"
+	"time"
 
 	"google.golang.org/grpc/metadata"
 
@@ -45,10 +46,9 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRul
 	// and, with auth on, a permission check at a fresh auth revision. Each
 	// waits on etcd, so they run together, and the read waits for the
 	// slower one rather than for both in turn.
-	var fence *fenceCall
+	var fence fenceCall
 	if !r.Serializable && s.follower.Serving() && !s.inconsistent() && (!r.KeysOnly || rules.known) {
-		fence = s.startFence(ctx, r.Revision)
-		defer fence.stop()
+		fence = s.beginFence(r.Revision)
 	}
 	// etcd's handler validates (done), then checks permissions.
 	switch err := s.authorize(ctx, r.Key, r.RangeEnd, !r.Serializable); {
@@ -72,11 +72,10 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRul
 		// release.
 		return forwarded(reasonVersionUnknown)
 	case !r.Serializable:
-		if fence == nil { // the state changed since: fence now
-			fence = s.startFence(ctx, r.Revision)
-			defer fence.stop()
+		if !fence.begun { // the state changed since: fence now
+			fence = s.beginFence(r.Revision)
 		}
-		return s.routeLinearizable(r, fence.result())
+		return s.routeLinearizable(r, s.waitFence(ctx, &fence))
 	}
 	// A serializable read is answered, with the store's revision in its
 	// header, once the store is no lower than any revision etcd has
@@ -101,33 +100,44 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRul
 	return s.routeView(r.Revision, why)
 }
 
-// fenceCall is a read fence running beside a request, on a goroutine the
-// request owns: stop cancels it and waits for it.
+// fenceCall is a read fence begun beside a request, bounded by the
+// freshness timeout from when it began. With a follower that can begin a
+// fence before waiting for it (progress.Follower), its quorum read runs on
+// the follower's probe goroutine while the request checks permissions, so
+// a read costs no goroutine, channel or context of its own: most readers
+// never block anywhere else. Other followers (tests' fakes) are asked
+// for the whole fence when the result is needed.
 type fenceCall struct {
-	cancel context.CancelFunc
-	done   chan struct{} // closed once err is set
-	err    error
+	begun    bool
+	rev      int64
+	deadline time.Time
+	call     progress.FenceCall // with a fenceBeginner
 }
 
-func (s *Server) startFence(ctx context.Context, rev int64) *fenceCall {
-	fctx, cancel := context.WithTimeout(ctx, s.fresh)
-	f := &fenceCall{cancel: cancel, done: make(chan struct{})}
-	go func() {
-		defer close(f.done)
-		_, f.err = s.follower.Fence(fctx, rev)
-	}()
+// fenceBeginner is a Follower whose fence can begin before it is waited
+// for.
+type fenceBeginner interface {
+	BeginFence(rev int64) progress.FenceCall
+}
+
+func (s *Server) beginFence(rev int64) fenceCall {
+	f := fenceCall{begun: true, rev: rev, deadline: time.Now().Add(s.fresh)}
+	if s.beginner != nil {
+		f.call = s.beginner.BeginFence(rev)
+	}
 	return f
 }
 
-// result waits for the fence and returns its error.
-func (f *fenceCall) result() error {
-	<-f.done
-	return f.err
-}
-
-func (f *fenceCall) stop() {
-	f.cancel()
-	<-f.done
+// waitFence waits for f and returns its error.
+func (s *Server) waitFence(ctx context.Context, f *fenceCall) error {
+	if s.beginner != nil {
+		_, err := f.call.Wait(ctx, f.deadline)
+		return err
+	}
+	fctx, cancel := context.WithDeadline(ctx, f.deadline)
+	defer cancel()
+	_, err := s.follower.Fence(fctx, f.rev)
+	return err
 }
 
 // routeLinearizable serves a linearizable read (etcd reads revision <= 0 as
@@ -177,6 +187,5 @@ func isSmall(r *pb.RangeRequest) bool {
 
 // hasAuthToken reports whether the caller authenticated with a token.
 func hasAuthToken(ctx context.Context) bool {
-	md, ok := metadata.FromIncomingContext(ctx)
-	return ok && len(md.Get(rpctypes.TokenFieldNameGRPC)) > 0
+	return len(metadata.ValueFromIncomingContext(ctx, rpctypes.TokenFieldNameGRPC)) > 0
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
@@ -34,29 +35,88 @@ var (
 // unreachable, no leader, ctx done, the follower stopped) mean freshness
 // could not be proven.
 func (f *Follower) Fence(ctx context.Context, rev int64) (int64, error) {
-	start := time.Now()
-	gen := f.verified.Load()
-	if gen == 0 {
+	c := f.BeginFence(rev)
+	return c.Wait(ctx, time.Time{})
+}
+
+// FenceCall is a read fence begun (BeginFence) and not yet waited for.
+type FenceCall struct {
+	f     *Follower
+	start time.Time
+	gen   uint64     // f.verified when it began
+	rev   int64      // the read's revision
+	probe *probeCall // the quorum read joined; nil with err
+	err   error      // why it failed as it began
+}
+
+// BeginFence begins Fence for a read at rev without blocking: the quorum
+// read it joins runs on the probe's goroutine, so that the reader can do
+// other work meanwhile (a permission check) and then Wait, with no
+// goroutine or context of its own.
+func (f *Follower) BeginFence(rev int64) FenceCall {
+	c := FenceCall{f: f, start: time.Now(), gen: f.verified.Load(), rev: rev}
+	if c.gen == 0 {
 		// No stream known to continue the store's history: etcd's head
 		// proves nothing about the store (it may come from a restored
 		// etcd that the follower has not reconnected to yet).
-		return 0, ErrNotFollowing
+		c.err = ErrNotFollowing
+		return c
 	}
-	head, err := f.probes.do(ctx, rev)
+	c.probe, c.err = f.probes.join(rev)
+	return c
+}
+
+// timers are reused by Wait: a read's bound on its fence then costs no
+// allocation. Stop leaves no stale tick in a timer's channel (Go 1.23).
+var timers = sync.Pool{New: func() any {
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	return t
+}}
+
+// Wait ends the fence as Fence does, giving up when ctx is done or, with
+// context.DeadlineExceeded, at deadline (zero: none). It is called once.
+func (c *FenceCall) Wait(ctx context.Context, deadline time.Time) (int64, error) {
+	f := c.f
+	if c.gen == 0 {
+		return 0, c.err
+	}
+	var expired <-chan time.Time
+	if !deadline.IsZero() {
+		t := timers.Get().(*time.Timer)
+		t.Reset(time.Until(deadline))
+		defer func() { t.Stop(); timers.Put(t) }()
+		expired = t.C
+	}
+	// bounded is ctx bounded by deadline, for the waits that need a
+	// context: made only when the fast path does not do.
+	bounded := func() (context.Context, context.CancelFunc) {
+		if deadline.IsZero() {
+			return ctx, func() {}
+		}
+		return context.WithDeadline(ctx, deadline)
+	}
+	var head int64
+	err := c.err
 	if err == nil {
-		err = f.WaitRevision(ctx, head)
+		head, err = f.probes.wait(ctx, c.probe, c.rev, expired, bounded)
+	}
+	if err == nil && f.store.Rev() < head {
+		wctx, cancel := bounded()
+		err = f.WaitRevision(wctx, head)
 		if errors.Is(err, ErrAhead) {
 			// etcd answered a progress request below the head it reported
 			// earlier: impossible unless the member we watch lags the
 			// one that answered; wait on for the events.
-			err = f.waitApplied(ctx, head)
+			err = f.waitApplied(wctx, head)
 		}
+		cancel()
 	}
-	f.m.observeFenceWait(time.Since(start))
+	f.m.observeFenceWait(time.Since(c.start))
 	if err != nil {
 		return 0, err
 	}
-	if f.verified.Load() != gen {
+	if f.verified.Load() != c.gen {
 		return 0, ErrNotFollowing // the stream changed while the fence waited
 	}
 	return f.store.Rev(), nil

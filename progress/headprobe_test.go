@@ -130,6 +130,55 @@ func TestHeadProbeVerdicts(t *testing.T) {
 	}
 }
 
+// TestHeadProbeJoinThenWait: a reader joins a probe at once and collects
+// its answer later (the probe runs meanwhile); a wait that expires gives
+// up with DeadlineExceeded while the probe runs on.
+func TestHeadProbeJoinThenWait(t *testing.T) {
+	f := &fakeHead{started: make(chan int64, 10), release: make(chan int64)}
+	p := newHeadProbe(f.read)
+	ctx := context.Background()
+	p.start(ctx)
+	defer p.stop()
+
+	c, err := p.join(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rev := <-f.started; rev != 0 {
+		t.Fatalf("probe at %d, want 0", rev)
+	}
+	expired := make(chan time.Time, 1)
+	expired <- time.Now()
+	if _, err := p.wait(ctx, c, 0, expired, nil); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("an expired wait returned %v, want DeadlineExceeded", err)
+	}
+	f.release <- 7
+	if head, err := p.wait(ctx, c, 0, nil, nil); head != 7 || err != nil {
+		t.Fatalf("wait = %d, %v; want 7 from the probe joined", head, err)
+	}
+}
+
+// TestHeadProbeStopRunsTheProbeInFlight: a probe put in flight just before
+// stop still runs, so that its reader gets an answer rather than waiting
+// out its own deadline; after stop, readers are refused.
+func TestHeadProbeStopRunsTheProbeInFlight(t *testing.T) {
+	p := newHeadProbe(func(context.Context, int64) (int64, error) { return 42, nil })
+	p.start(context.Background())
+	c, err := p.join(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.stop()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if head, err := p.wait(ctx, c, 0, nil, nil); head != 42 || err != nil {
+		t.Fatalf("wait = %d, %v; want 42 from the probe put in flight before stop", head, err)
+	}
+	if _, err := p.join(0); !errors.Is(err, errStopped) {
+		t.Fatalf("join after stop: %v, want errStopped", err)
+	}
+}
+
 // waitQueued waits until n readers are parked on the queued probe, reading
 // the probe's state under its lock.
 func waitQueued(t *testing.T, p *headProbe, n int) {

@@ -279,10 +279,14 @@ func (s *Server) admit(ctx context.Context, method string) (_ context.Context, c
 	case c.kind == anonymous && s.upstreamCN == "":
 		return ctx, nil // without identity: etcd checks it
 	}
-	check = func(req any) error { return s.checkForwarded(ctx, c, method, req) }
 	if c.kind == certCaller {
 		ctx = asProxy(ctx)
 	}
+	// The check sees the request's final context. It captures a copy:
+	// capturing ctx itself, which is reassigned, would move ctx to the
+	// heap on every call, Ranges included.
+	checkCtx := ctx
+	check = func(req any) error { return s.checkForwarded(checkCtx, c, method, req) }
 	return ctx, check
 }
 

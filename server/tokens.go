@@ -96,14 +96,13 @@ func tokenOf(ctx context.Context) string {
 
 // bearerTokenOf is tokenOf, and whether it lost a "Bearer " prefix.
 func bearerTokenOf(ctx context.Context) (token string, stripped bool) {
-	md, ok := metadata.FromIncomingContext(ctx)
-	if !ok {
-		return "", false
-	}
-	if v := md.Get(rpctypes.TokenFieldNameGRPC); len(v) > 0 {
+	// Every request asks this, at least twice: ValueFromIncomingContext
+	// copies only the key's values, which most requests do not carry,
+	// where FromIncomingContext would copy all the metadata.
+	if v := metadata.ValueFromIncomingContext(ctx, rpctypes.TokenFieldNameGRPC); len(v) > 0 {
 		return v[0], false
 	}
-	if v := md.Get(rpctypes.TokenFieldNameSwagger); len(v) > 0 {
+	if v := metadata.ValueFromIncomingContext(ctx, rpctypes.TokenFieldNameSwagger); len(v) > 0 {
 		token, stripped := strings.CutPrefix(v[0], "Bearer ")
 		return token, stripped
 	}
