@@ -240,6 +240,10 @@ func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeRespon
 		return nil, err
 	}
 	resp := rt.view.Range(r, rules.opts)
+	// The header is filled before the budget sizes the response, and
+	// nothing changes it after: the server encodes it with the sizes
+	// computed then (wirecodec.ServerOption), not with a second pass.
+	s.follower.FillHeader(resp.Header)
 	if held, err = s.fitCached(ctx, held, resp); err != nil {
 		s.m.observe(sourceRejected, reasonMemory)
 		return nil, err
@@ -248,7 +252,6 @@ func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeRespon
 	// ends the call's context once it has: hold the bytes until then.
 	s.releaseCachedWhenDone(ctx, held)
 	s.m.observe(sourceCache, rt.reason)
-	s.follower.FillHeader(resp.Header)
 	return resp, nil
 }
 

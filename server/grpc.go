@@ -53,8 +53,11 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		grpc.MaxSendMsgSize(maxSendBytes),
 		grpc.MaxConcurrentStreams(s.cfg.MaxConcurrentStreams),
 		// Watch events go out pre-encoded, shared by every watcher;
-		// every other message is gRPC's proto codec's.
-		wirecodec.ServerOption(),
+		// every other message is gRPC's proto codec's, but Range
+		// responses are encoded with the sizes kvproxy's budget
+		// computed when it measured them, after their last change
+		// (forwarded ones were never sized, and are sized then).
+		wirecodec.ServerOption(&pb.RangeResponse{}),
 		// Calls run on long-lived goroutines whose stacks have grown to
 		// what a call needs, rather than each on a new goroutine that
 		// grows its stack again (runtime.morestack: a tenth of a cached
