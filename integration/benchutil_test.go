@@ -21,6 +21,8 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
 // Shape of the benchmark data set: a kube-apiserver-like resource prefix.
@@ -153,32 +155,10 @@ func (env *benchEnv) fullRange() *pb.RangeRequest {
 	return &pb.RangeRequest{Key: env.prefix, RangeEnd: env.rangeEnd, Revision: env.rev}
 }
 
-// paginatedList reads the prefix at R the way kube-apiserver paginates:
-// pages of benchPageSize, each starting just after the previous page's last
-// key, until More is false. It returns the number of keys read.
+// paginatedList reads the prefix at R the way kube-apiserver paginates, in
+// pages of benchPageSize, and returns the number of keys read.
 func (env *benchEnv) paginatedList(ctx context.Context, kv pb.KVClient) (int, error) {
-	key := env.prefix
-	n := 0
-	for {
-		resp, err := kv.Range(ctx, &pb.RangeRequest{
-			Key:      key,
-			RangeEnd: env.rangeEnd,
-			Limit:    benchPageSize,
-			Revision: env.rev,
-		})
-		if err != nil {
-			return n, err
-		}
-		n += len(resp.Kvs)
-		if !resp.More {
-			return n, nil
-		}
-		if len(resp.Kvs) == 0 {
-			return n, fmt.Errorf("page with More but no keys after %q", key)
-		}
-		last := resp.Kvs[len(resp.Kvs)-1].Key
-		key = append(bytes.Clone(last), 0)
-	}
+	return testsupport.ListPages(ctx, kv, env.prefix, env.rangeEnd, benchPageSize, env.rev)
 }
 
 func benchRandomValue(rng *rand.ChaCha8) []byte {

@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bytes"
 	"context"
 	"flag"
 	"fmt"
@@ -12,6 +11,8 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
 var (
@@ -89,26 +90,10 @@ func (d *rangeData) fullRange() *pb.RangeRequest {
 	return &pb.RangeRequest{Key: d.key, RangeEnd: d.end, Revision: d.rev}
 }
 
-// paginatedList reads the keyspace at R as kube-apiserver paginates: pages
-// of limit keys, each from just after the previous page's last key, at the
-// same revision, until More is false. It returns the keys read.
+// paginatedList reads the keyspace at R as kube-apiserver paginates, in
+// pages of limit, and returns the number of keys read.
 func (d *rangeData) paginatedList(ctx context.Context, kv pb.KVClient, limit int64) (int, error) {
-	key := d.key
-	n := 0
-	for {
-		resp, err := kv.Range(ctx, &pb.RangeRequest{Key: key, RangeEnd: d.end, Limit: limit, Revision: d.rev})
-		if err != nil {
-			return n, err
-		}
-		n += len(resp.Kvs)
-		if !resp.More {
-			return n, nil
-		}
-		if len(resp.Kvs) == 0 {
-			return n, fmt.Errorf("page with More but no keys after %q", key)
-		}
-		key = append(bytes.Clone(resp.Kvs[len(resp.Kvs)-1].Key), 0)
-	}
+	return testsupport.ListPages(ctx, kv, d.key, d.end, limit, d.rev)
 }
 
 // BenchmarkLinearizableGet: a linearizable single-key Get (kube-apiserver's
