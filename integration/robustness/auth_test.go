@@ -129,17 +129,9 @@ func setUpAuth(t *testing.T, e *embed.Etcd) {
 }
 
 // persistedRequests returns the requests persisted in etcd's WAL, as the
-// validations take them (report.PersistedRequests). That reader knows the
-// KV, lease, compaction and cluster requests, and panics on any other
-// entry; with auth enabled the WAL also holds etcd's auth requests
-// (Authenticate, AuthStatus, and the user and role calls of the set-up and
-// of the proxy's auth mirror), which change no key. For an auth run, a copy
-// of the WAL in which their entries have no data (an entry the reader
-// skips) is read instead; every other entry is copied as it is.
-func persistedRequests(t *testing.T, lg *zap.Logger, dataDir string, auth bool) ([]model.EtcdRequest, error) {
-	if !auth {
-		return report.PersistedRequests(lg, []string{dataDir})
-	}
+// validations take them (report.PersistedRequests), through
+// persistedFromEntries.
+func persistedRequests(t *testing.T, lg *zap.Logger, dataDir string) ([]model.EtcdRequest, error) {
 	state, ents, err := report.ReadWAL(lg, dataDir)
 	if err != nil {
 		return nil, err
@@ -147,6 +139,17 @@ func persistedRequests(t *testing.T, lg *zap.Logger, dataDir string, auth bool) 
 	if state == nil {
 		state = &raftpb.HardState{}
 	}
+	return persistedFromEntries(t, lg, state, ents)
+}
+
+// blankAuthRequests empties the data of ents' auth requests, which change
+// no key and which report.PersistedRequests, knowing only the KV, lease,
+// compaction and cluster requests, panics on (it skips an entry without
+// data): with auth enabled Authenticate, AuthStatus, and the user and role
+// calls of the set-up and of the proxy's auth mirror; with auth disabled,
+// an AuthStatus of the proxy's when a linearizable read arrives before its
+// mirror has learned etcd's auth state. It returns how many it emptied.
+func blankAuthRequests(ents []*raftpb.Entry) int {
 	blanked := 0
 	for _, e := range ents {
 		if e.GetType() != raftpb.EntryNormal || len(e.GetData()) == 0 {
@@ -161,13 +164,16 @@ func persistedRequests(t *testing.T, lg *zap.Logger, dataDir string, auth bool) 
 			blanked++
 		}
 	}
-	t.Logf("WAL: %d entries, %d auth requests left out", len(ents), blanked)
-	return persistedFromEntries(t, lg, state, ents)
+	return blanked
 }
 
-// persistedFromEntries returns the requests report.PersistedRequests reads
+// persistedFromEntries returns the requests report.PersistedRequests reads,
+// with the auth requests left out (blankAuthRequests),
 // from a WAL of ents under state, written into a new data directory.
 func persistedFromEntries(t *testing.T, lg *zap.Logger, state *raftpb.HardState, ents []*raftpb.Entry) ([]model.EtcdRequest, error) {
+	if n := blankAuthRequests(ents); n > 0 {
+		t.Logf("WAL: %d entries, %d auth requests left out", len(ents), n)
+	}
 	dir := t.TempDir()
 	w, err := wal.Create(lg, datadir.ToWALDir(dir), nil)
 	if err != nil {

@@ -327,7 +327,7 @@ func testRobustness(t *testing.T, tf traffic.Traffic, f fault, opts options) {
 		t.Logf("token fronts: %v; %v; %v", en.trafficFront, en.watchFront, en.compactFront)
 	}
 
-	persisted, err := persistedRequests(t, lg, en.dataDir, opts.auth)
+	persisted, err := persistedRequests(t, lg, en.dataDir)
 	if err != nil {
 		t.Fatalf("reading etcd's WAL: %v", err)
 	}
