@@ -49,34 +49,9 @@ func newBudgetCluster(tb testing.TB, budget int64, configure func(*server.Config
 // writeConcurrently puts n values to keyOf(i) with workers goroutines and
 // returns the highest revision written, or the first error.
 func writeConcurrently(cli *clientv3.Client, n, workers int, keyOf func(i int) string) (int64, error) {
-	var mu sync.Mutex
-	var head int64
-	var firstErr error
-	var wg sync.WaitGroup
-	next := make(chan int)
-	for range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range next {
-				r, err := cli.Put(context.Background(), keyOf(i), fmt.Sprintf("value %d of %s", i, keyOf(i)))
-				mu.Lock()
-				if err != nil && firstErr == nil {
-					firstErr = err
-				}
-				if err == nil {
-					head = max(head, r.Header.Revision)
-				}
-				mu.Unlock()
-			}
-		}()
-	}
-	for i := range n {
-		next <- i
-	}
-	close(next)
-	wg.Wait()
-	return head, firstErr
+	return proxytest.PutConcurrently(pb.NewKVClient(cli.ActiveConnection()), n, workers, func(i int) *pb.PutRequest {
+		return &pb.PutRequest{Key: []byte(keyOf(i)), Value: fmt.Appendf(nil, "value %d of %s", i, keyOf(i))}
+	})
 }
 
 // TestHistoryBudget writes 10^5 revisions (`make integration`; 10^4 in

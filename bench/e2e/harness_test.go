@@ -5,13 +5,11 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -37,29 +35,37 @@ const (
 	stopTimeout  = 15 * time.Second
 )
 
-// etcdBinary is $ETCD_BIN, else the etcd that tools/build.sh builds.
-func etcdBinary(tb testing.TB) string {
-	tb.Helper()
-	p := os.Getenv("ETCD_BIN")
+// lookupBinary is $env, else rel (relative to this package), as an
+// absolute path; "" if it is not an executable file.
+func lookupBinary(env, rel string) string {
+	p := os.Getenv(env)
 	if p == "" {
-		p = "../../.tools/bin/etcd"
+		p = rel
 	}
 	abs, err := filepath.Abs(p)
 	if err != nil {
-		tb.Fatal(err)
+		return ""
 	}
 	if st, err := os.Stat(abs); err != nil || st.IsDir() || st.Mode()&0o111 == 0 {
-		tb.Fatalf("no etcd binary at %s: build it with `make tools-etcd` (tools/build.sh etcd), or set $ETCD_BIN", abs)
+		return ""
 	}
 	return abs
 }
 
+// etcdBinary is $ETCD_BIN, else the etcd that tools/build.sh builds.
+func etcdBinary(tb testing.TB) string {
+	tb.Helper()
+	p := lookupBinary("ETCD_BIN", "../../.tools/bin/etcd")
+	if p == "" {
+		tb.Fatal("no etcd binary: build it with `make tools-etcd` (tools/build.sh etcd), or set $ETCD_BIN")
+	}
+	return p
+}
+
 // etcdProcess is a single-member etcd run as a separate process.
 type etcdProcess struct {
-	cmd      *exec.Cmd
+	*child
 	endpoint string // http://127.0.0.1:port
-	logPath  string
-	done     chan struct{} // closed once the process has exited
 }
 
 // startEtcd starts etcd with its data in a temporary directory and waits
@@ -81,30 +87,11 @@ func startEtcd(tb testing.TB, extra ...string) *etcdProcess {
 		"--quota-backend-bytes=8589934592",
 		"--log-level=warn",
 	}, extra...)
-	logPath := filepath.Join(dir, "etcd.log")
-	logf, err := os.Create(logPath)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	cmd := exec.Command(etcdBinary(tb), args...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	if err := cmd.Start(); err != nil {
-		logf.Close()
-		tb.Fatalf("starting etcd: %v", err)
-	}
-	e := &etcdProcess{cmd: cmd, endpoint: client, logPath: logPath, done: make(chan struct{})}
-	go func() {
-		cmd.Wait()
-		logf.Close()
-		close(e.done)
-	}()
-	tb.Cleanup(func() { e.stop(tb) })
+	e := &etcdProcess{child: startChild(tb, "etcd", dir, etcdBinary(tb), args), endpoint: client}
 	cli := newClient(tb, client)
 	testsupport.Poll(tb, startTimeout, 50*time.Millisecond, "etcd to serve", func() (bool, error) {
-		select {
-		case <-e.done:
-			tb.Fatalf("etcd exited: %s", e.tail())
-		default:
+		if err := e.alive(); err != nil {
+			tb.Fatal(err)
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
@@ -112,28 +99,6 @@ func startEtcd(tb testing.TB, extra ...string) *etcdProcess {
 		return err == nil, err
 	})
 	return e
-}
-
-func (e *etcdProcess) stop(tb testing.TB) {
-	select {
-	case <-e.done:
-		return
-	default:
-	}
-	_ = e.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-e.done:
-	case <-time.After(stopTimeout):
-		tb.Logf("etcd did not stop within %v of SIGTERM; killing it", stopTimeout)
-		_ = e.cmd.Process.Kill()
-		<-e.done
-	}
-}
-
-func (e *etcdProcess) tail() string {
-	b, _ := os.ReadFile(e.logPath)
-	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
-	return strings.Join(lines[max(len(lines)-20, 0):], "\n")
 }
 
 // rssBytes is the etcd process's resident memory (VmRSS), or 0 if unknown.
@@ -205,35 +170,11 @@ func newWriter(cli *clientv3.Client, valueSize, workers int) *writer {
 // written.
 func (w *writer) put(tb testing.TB, n int, keyOf func(i int) []byte) int64 {
 	tb.Helper()
-	var mu sync.Mutex
-	var head int64
-	var firstErr error
-	var wg sync.WaitGroup
-	next := make(chan int, w.workers)
-	for range w.workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range next {
-				r, err := w.kv.Put(context.Background(), &pb.PutRequest{Key: keyOf(i), Value: w.value})
-				mu.Lock()
-				if err != nil && firstErr == nil {
-					firstErr = err
-				}
-				if err == nil {
-					head = max(head, r.Header.Revision)
-				}
-				mu.Unlock()
-			}
-		}()
-	}
-	for i := range n {
-		next <- i
-	}
-	close(next)
-	wg.Wait()
-	if firstErr != nil {
-		tb.Fatalf("put: %v", firstErr)
+	head, err := proxytest.PutConcurrently(w.kv, n, w.workers, func(i int) *pb.PutRequest {
+		return &pb.PutRequest{Key: keyOf(i), Value: w.value}
+	})
+	if err != nil {
+		tb.Fatalf("put: %v", err)
 	}
 	return head
 }

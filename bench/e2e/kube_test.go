@@ -9,8 +9,6 @@ import (
 	"io"
 	"net/http"
 	"net/url"
-	"os"
-	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -30,18 +28,7 @@ var (
 // kubeAPIServerBinary is $KUBE_APISERVER_BIN, else the kube-apiserver that
 // tools/build.sh builds; "" if there is none.
 func kubeAPIServerBinary() string {
-	p := os.Getenv("KUBE_APISERVER_BIN")
-	if p == "" {
-		p = "../../.tools/bin/kube-apiserver"
-	}
-	abs, err := filepath.Abs(p)
-	if err != nil {
-		return ""
-	}
-	if st, err := os.Stat(abs); err != nil || st.IsDir() || st.Mode()&0o111 == 0 {
-		return ""
-	}
-	return abs
+	return lookupBinary("KUBE_APISERVER_BIN", "../../.tools/bin/kube-apiserver")
 }
 
 // kubeProcess is an unmodified kube-apiserver run as a process.

@@ -21,18 +21,11 @@ import (
 // proxyBinary is $SNAPCACHE_BIN, else the binary `make build` builds.
 func proxyBinary(tb testing.TB) string {
 	tb.Helper()
-	p := os.Getenv("SNAPCACHE_BIN")
+	p := lookupBinary("SNAPCACHE_BIN", "../../bin/etcd-snapcache")
 	if p == "" {
-		p = "../../bin/etcd-snapcache"
+		tb.Fatal("no etcd-snapcache binary: build it with `make build`, or set $SNAPCACHE_BIN")
 	}
-	abs, err := filepath.Abs(p)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	if st, err := os.Stat(abs); err != nil || st.IsDir() || st.Mode()&0o111 == 0 {
-		tb.Fatalf("no etcd-snapcache binary at %s: build it with `make build`, or set $SNAPCACHE_BIN", abs)
-	}
-	return abs
+	return p
 }
 
 // child is a process the benchmark started, its output in a log file.
@@ -260,5 +253,3 @@ func processCPU(tb testing.TB, pid string) time.Duration {
 	}
 	return time.Duration(utime+stime) * clockTick
 }
-
-func (e *etcdProcess) pid() string { return strconv.Itoa(e.cmd.Process.Pid) }
