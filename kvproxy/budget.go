@@ -53,13 +53,16 @@ func (s *Server) admitCached(ctx context.Context, view revtree.View, r *pb.Range
 }
 
 // fitCached changes a holding of held bytes into the built response's
-// size, waiting for more room if the estimate fell short; it returns the
-// bytes held.
-func (s *Server) fitCached(ctx context.Context, held int64, resp *pb.RangeResponse) (int64, error) {
+// encoded size (size, or measured if size < 0), waiting for more room if
+// the estimate fell short; it returns the bytes held.
+func (s *Server) fitCached(ctx context.Context, held int64, resp *pb.RangeResponse, size int) (int64, error) {
 	if s.budget == nil {
 		return 0, nil
 	}
-	n := s.budget.clamp(s.budget.measure(resp))
+	if size < 0 {
+		size = proto.Size(resp)
+	}
+	n := s.budget.clamp(s.budget.learn(int64(size), len(resp.Kvs)))
 	if s.budget.resizeNow(held, n) {
 		return n, nil // no wait: no context for one
 	}
@@ -233,11 +236,10 @@ func (b *byteBudget) estimate(view revtree.View, r *pb.RangeRequest, opts revtre
 	return headerBytes + n*b.avgKV.Load()
 }
 
-// measure returns the encoded size of a built response, and learns the
-// average size of its key-values.
-func (b *byteBudget) measure(resp *pb.RangeResponse) int64 {
-	size := int64(proto.Size(resp))
-	if n := int64(len(resp.Kvs)); n > 0 {
+// learn returns size, the encoded size of a built response with kvs
+// key-values, and learns the average size of a key-value from it.
+func (b *byteBudget) learn(size int64, kvs int) int64 {
+	if n := int64(kvs); n > 0 {
 		observed := max((size-headerBytes)/n, 1)
 		// An approximate moving average; concurrent updates may lose one.
 		b.avgKV.Store((3*b.avgKV.Load() + observed) / 4)

@@ -8,6 +8,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 
@@ -133,7 +134,7 @@ func TestEstimate(t *testing.T) {
 	// Measuring teaches it the size of a key-value.
 	resp := view.Range(&pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z")}, revtree.RangeOptions{})
 	for range 20 {
-		b.measure(resp)
+		b.learn(int64(proto.Size(resp)), len(resp.Kvs))
 	}
 	if got := b.avgKV.Load(); got >= kv/4 {
 		t.Fatalf("average key-value %d bytes after measuring small ones, was %d", got, kv)

@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"go.uber.org/zap"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -15,6 +17,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -214,12 +217,35 @@ func New(cfg Config) *Server {
 
 // Range serves r from the store when it can, else from etcd.
 func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeResponse, error) {
+	resp, _, err := s.serveRange(ctx, r, false)
+	return resp, err
+}
+
+// rangeMessage is Range for the gRPC server (Register): a response from
+// the store comes already encoded, a wirecodec.Encoded made of its header
+// and the store's encodings of its key-values, byte for byte what
+// proto.Marshal gives for the response Range would return.
+func (s *Server) rangeMessage(ctx context.Context, r *pb.RangeRequest) (proto.Message, error) {
+	resp, enc, err := s.serveRange(ctx, r, true)
+	switch {
+	case err != nil:
+		return nil, err
+	case enc != nil:
+		return enc, nil
+	}
+	return resp, nil
+}
+
+// serveRange serves r from the store when it can, else from etcd. With
+// encode, a response from the store is returned encoded (enc), not as
+// resp.
+func (s *Server) serveRange(ctx context.Context, r *pb.RangeRequest, encode bool) (resp *pb.RangeResponse, enc *wirecodec.Encoded, err error) {
 	// etcd's interceptor refuses before its handler validates.
 	if err := s.checkLeader(ctx); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if err := checkRangeRequest(r); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	// Every revision the proxy has answered at so far is at most the
 	// highest etcd has reported to it: no answer may be below it.
@@ -229,31 +255,51 @@ func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeRespon
 	if rt.action != serveFromCache {
 		release, err := s.settle(ctx, rt)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		defer release()
-		return s.forwardRange(ctx, r, served)
+		resp, err := s.forwardRange(ctx, r, served)
+		return resp, nil, err
 	}
 	held, err := s.admitCached(ctx, rt.view, r, rules.opts)
 	if err != nil {
 		s.m.observe(sourceRejected, reasonMemory)
-		return nil, err
+		return nil, nil, err
 	}
-	resp := rt.view.Range(r, rules.opts)
+	resp = rt.view.Range(r, rules.opts)
 	// The header is filled before the budget sizes the response, and
-	// nothing changes it after: the server encodes it with the sizes
-	// computed then (wirecodec.ServerOption), not with a second pass.
+	// nothing changes it after: the response is encoded with the sizes
+	// computed then (here, or by wirecodec.ServerOption), not with a
+	// second pass.
 	s.follower.FillHeader(resp.Header)
-	if held, err = s.fitCached(ctx, held, resp); err != nil {
+	size := -1
+	if encode {
+		size = revtree.RangeResponseSize(r, resp)
+	}
+	if held, err = s.fitCached(ctx, held, resp, size); err != nil {
 		s.m.observe(sourceRejected, reasonMemory)
-		return nil, err
+		return nil, nil, err
+	}
+	if encode {
+		enc, err = wirecodec.NewEncodedOnce(rangeResponseType, size, func(b []byte) ([]byte, error) {
+			return revtree.AppendRangeResponse(b, r, resp)
+		})
+		if err != nil {
+			s.releaseCached(held)
+			return nil, nil, status.Errorf(codes.Internal, "etcd-snapcache: encoding a range response: %v", err)
+		}
 	}
 	// gRPC encodes and queues the response after the handler returns, and
 	// ends the call's context once it has: hold the bytes until then.
 	s.releaseCachedWhenDone(ctx, held)
 	s.m.observe(sourceCache, rt.reason)
-	return resp, nil
+	if enc != nil {
+		return nil, enc, nil
+	}
+	return resp, nil, nil
 }
+
+var rangeResponseType = (&pb.RangeResponse{}).ProtoReflect().Type()
 
 // forwardRange asks etcd, never answering below served, a revision the
 // proxy may already have answered at. etcd answers a serializable read
@@ -425,4 +471,46 @@ func (s *Server) Compact(ctx context.Context, r *pb.CompactionRequest) (*pb.Comp
 	s.follower.ObserveHeader(resp.Header)
 	s.follower.ObserveCompaction(r.Revision, "proxy")
 	return resp, nil
+}
+
+// Register registers s as gs's KV service: etcd's, but for Range, whose
+// responses from the store go out already encoded (rangeMessage). gs must
+// send a wirecodec.Encoded as it is (wirecodec.ServerOption); a server
+// without that codec still sends the same bytes, decoding and encoding
+// each response again.
+func Register(gs grpc.ServiceRegistrar, s *Server) {
+	gs.RegisterService(&kvServiceDesc, s)
+}
+
+// kvServiceDesc is etcd's KV service with rangeHandler for Range.
+var kvServiceDesc = func() grpc.ServiceDesc {
+	desc := pb.KV_ServiceDesc
+	desc.Methods = slices.Clone(desc.Methods)
+	found := false
+	for i := range desc.Methods {
+		if desc.Methods[i].MethodName == "Range" {
+			desc.Methods[i].Handler = rangeHandler
+			found = true
+		}
+	}
+	if !found {
+		panic("kvproxy: etcd's KV service has no Range method")
+	}
+	return desc
+}()
+
+// rangeHandler is etcd's generated Range handler calling rangeMessage.
+func rangeHandler(srv any, ctx context.Context, dec func(any) error, interceptor grpc.UnaryServerInterceptor) (any, error) {
+	in := new(pb.RangeRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	s := srv.(*Server)
+	if interceptor == nil {
+		return s.rangeMessage(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{Server: srv, FullMethod: pb.KV_Range_FullMethodName}
+	return interceptor(ctx, in, info, func(ctx context.Context, req any) (any, error) {
+		return s.rangeMessage(ctx, req.(*pb.RangeRequest))
+	})
 }

@@ -104,7 +104,7 @@ func (s *Server) rangeStreamFromView(rt route, req *pb.RangeRequest, opts revtre
 			return err
 		}
 		resp := view.Range(r, opts)
-		if held, err = s.fitCached(ctx, held, resp); err != nil {
+		if held, err = s.fitCached(ctx, held, resp, -1); err != nil {
 			return err
 		}
 		count += int64(len(resp.Kvs))

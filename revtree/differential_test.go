@@ -555,6 +555,28 @@ func (h *harness) check(req *pb.RangeRequest) {
 		if got.Kvs == nil {
 			h.t.Fatalf("degree %d: nil Kvs for %v (etcd always returns a slice)", h.degrees[i], req)
 		}
+		h.checkEncoding(req, got, want)
+	}
+}
+
+// checkEncoding verifies that the response encoded from the stored
+// key-values' encodings is byte for byte etcd's response as protobuf
+// encodes it, and that its size is computed right.
+func (h *harness) checkEncoding(req *pb.RangeRequest, got, want *pb.RangeResponse) {
+	h.t.Helper()
+	wantBytes, err := proto.Marshal(want)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	gotBytes, err := revtree.AppendRangeResponse(nil, req, got)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	if !bytes.Equal(gotBytes, wantBytes) {
+		h.t.Fatalf("request %v: encoded\n%x\netcd's response encodes as\n%x", req, gotBytes, wantBytes)
+	}
+	if n := revtree.RangeResponseSize(req, got); n != len(wantBytes) {
+		h.t.Fatalf("request %v: RangeResponseSize %d, encoded %d bytes", req, n, len(wantBytes))
 	}
 }
 
@@ -590,7 +612,7 @@ func (h *harness) checkEvents() {
 				h.t.Fatalf("degree %d: revision %d has %d events, etcd sent %d", h.degrees[i], rev, len(evs), len(want))
 			}
 			for j := range evs {
-				if evs[j].Type != want[j].Type || evs[j].Kv != want[j].Kv {
+				if evs[j].Type != want[j].Type || !kvEqual(evs[j].Kv, want[j].Kv) {
 					h.t.Fatalf("degree %d: revision %d event %d is %v, etcd sent %v", h.degrees[i], rev, j, evs[j], want[j])
 				}
 			}

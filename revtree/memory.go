@@ -16,9 +16,12 @@ import (
 // estimate is the object's size rounded up to the Go allocator's size class
 // (sizeClass), which is what the heap really spends on it.
 //
-//   - A KeyValue: the struct (unsafe.Sizeof, 120 bytes, class 128), plus
-//     its key and its value, each a separate allocation, as the protobuf
-//     decoder of a watch or range response makes them (kvBytes).
+//   - A stored KeyValue (entry.go): the entry (unsafe.Sizeof, 128
+//     bytes: the KeyValue struct and its encoding's length), plus its
+//     encoding, which holds its key and value (storedBytes). A delete's
+//     tombstone is as the protobuf decoder of a watch response makes it:
+//     the struct (120 bytes, class 128), its key and its value, each a
+//     separate allocation (kvBytes).
 //   - An Event: the struct (64 bytes), plus its slot in the events slice of
 //     the watch response (8 bytes). A delete's Kv is a tombstone KeyValue
 //     of its own (a key, no value); a put's Kv is the live KeyValue.
@@ -104,6 +107,7 @@ func bytesAlloc(n int) int64 {
 
 var (
 	kvStructBytes    = sizeClass(int64(unsafe.Sizeof(mvccpb.KeyValue{})))
+	entryBytes       = sizeClass(int64(unsafe.Sizeof(entry{})))
 	eventBytes       = sizeClass(int64(unsafe.Sizeof(mvccpb.Event{}))) + 8 // + its slot in the events slice
 	nodeStructBytes  = sizeClass(2*24 + 8)                                 // items, children (slices), cow (pointer)
 	snapshotOverhead = sizeClass(int64(unsafe.Sizeof(snapshot{}))) +
@@ -113,9 +117,19 @@ var (
 		sizeClass(16) // the kept clone's header and its copy-on-write context
 )
 
-// kvBytes estimates a KeyValue's memory: the struct, its key and value.
+// kvBytes estimates a decoded KeyValue's memory (a delete's tombstone):
+// the struct, its key and value.
 func kvBytes(kv *mvccpb.KeyValue) int64 {
 	return kvStructBytes + bytesAlloc(len(kv.Key)) + bytesAlloc(len(kv.Value))
+}
+
+// storedBytes estimates a stored KeyValue's memory (entry.go): the entry,
+// the size of a KeyValue, and its encoding, which holds its key and value.
+func storedBytes(kv *mvccpb.KeyValue) int64 {
+	if n := entryOf(kv).encLen; n != 0 {
+		return entryBytes + sizeClass(int64(n))
+	}
+	return entryBytes + bytesAlloc(len(kv.Key)) + bytesAlloc(len(kv.Value))
 }
 
 // pow2 returns the least power of two >= n (n >= 1).

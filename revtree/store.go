@@ -215,7 +215,7 @@ func (s *Store) dropOldestLocked() {
 }
 
 // Reset replaces the whole store with kvs as the keyspace at rev, discarding
-// every snapshot. compactRev is etcd's compaction revision as known to the
+// every snapshot. The store keeps copies of kvs (entry.go). compactRev is etcd's compaction revision as known to the
 // caller; it never moves the store's compaction revision backwards.
 func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
 	s.writeMu.Lock()
@@ -223,8 +223,9 @@ func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
 	latest := btree.NewG(s.degree, kvLess)
 	var live int64
 	for _, kv := range kvs {
+		kv = newEntry(kv)
 		latest.ReplaceOrInsert(kv)
-		live += kvBytes(kv)
+		live += storedBytes(kv)
 	}
 	s.latest = latest
 	s.newest = &snapshot{rev: rev, kvs: latest.Clone()}
@@ -265,7 +266,8 @@ func (s *Store) Unload() {
 
 // Apply applies the events of exactly one revision, rev, which must be
 // greater than the store's revision. It fills in each event's PrevKv from the
-// store and returns the events. On ErrInconsistent the store is unchanged.
+// store, replaces each put's Kv with the store's copy of it (entry.go), and
+// returns the events. On ErrInconsistent the store is unchanged.
 func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
@@ -292,13 +294,14 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 		ev.PrevKv = prev
 		added += eventBytes
 		if prev != nil {
-			live -= kvBytes(prev)
-			added += kvBytes(prev)
+			live -= storedBytes(prev)
+			added += storedBytes(prev)
 		}
 		switch ev.Type {
 		case mvccpb.PUT:
+			ev.Kv = newEntry(ev.Kv)
 			s.latest.ReplaceOrInsert(ev.Kv)
-			live += kvBytes(ev.Kv)
+			live += storedBytes(ev.Kv)
 		case mvccpb.DELETE:
 			s.latest.Delete(ev.Kv)
 			added += kvBytes(ev.Kv) // the tombstone

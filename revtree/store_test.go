@@ -80,6 +80,15 @@ func checkState(t *testing.T, s *revtree.Store, stage string, rev, compactRev, o
 	}
 }
 
+// sameKV reports whether a and b are the same key-value: both nil, or
+// equal (the store keeps its own copy of each key-value it is given).
+func sameKV(a, b *mvccpb.KeyValue) bool {
+	if a == nil || b == nil {
+		return a == nil && b == nil
+	}
+	return proto.Equal(a, b)
+}
+
 // workedExample builds the store of doc.go's worked example: load at 4 with
 // {a@2, b@4}, then put(c)@5, del(a)@6, Txn put(b),put(d)@7.
 func workedExample(t *testing.T, degree int) (*revtree.Store, map[string]*mvccpb.KeyValue) {
@@ -108,7 +117,7 @@ func workedExample(t *testing.T, degree int) (*revtree.Store, map[string]*mvccpb
 			t.Fatalf("Apply(%d): %v", st.rev, err)
 		}
 		for i, ev := range out {
-			if ev != st.events[i] || ev.PrevKv != st.wantPrev[i] {
+			if ev != st.events[i] || !sameKV(ev.PrevKv, st.wantPrev[i]) {
 				t.Fatalf("Apply(%d) event %d: %v (PrevKv %p), want PrevKv %v (%p)", st.rev, i, ev, ev.PrevKv, st.wantPrev[i], st.wantPrev[i])
 			}
 		}
@@ -315,7 +324,7 @@ func TestApplyTxnSameKey(t *testing.T) {
 	}
 	wantPrev := []*mvccpb.KeyValue{kvs["c5"], c8a, c8b, nil, kvs["b7"]}
 	for i, ev := range out {
-		if ev.PrevKv != wantPrev[i] {
+		if !sameKV(ev.PrevKv, wantPrev[i]) {
 			t.Errorf("event %d: PrevKv %v, want %v", i, ev.PrevKv, wantPrev[i])
 		}
 	}
@@ -327,7 +336,7 @@ func TestApplyTxnSameKey(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, ok := v.Get([]byte("c")); !ok || got != c8new {
+	if got, ok := v.Get([]byte("c")); !ok || !sameKV(got, c8new) {
 		t.Errorf("Get(c) at 8: %v, %v; want %v", got, ok, c8new)
 	}
 	if _, ok := v.Get([]byte("b")); ok {

@@ -52,11 +52,12 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		grpc.MaxRecvMsgSize(s.cfg.MaxRequestBytes + grpcOverheadBytes),
 		grpc.MaxSendMsgSize(maxSendBytes),
 		grpc.MaxConcurrentStreams(s.cfg.MaxConcurrentStreams),
-		// Watch events go out pre-encoded, shared by every watcher;
-		// every other message is gRPC's proto codec's, but Range
-		// responses are encoded with the sizes kvproxy's budget
-		// computed when it measured them, after their last change
-		// (forwarded ones were never sized, and are sized then).
+		// Watch events and Range responses from the cache go out
+		// pre-encoded (an event once for every watcher, a key-value
+		// once for every read); every other message is gRPC's proto
+		// codec's, but Range responses are encoded with the sizes
+		// computed when they were last measured (etcd's, never
+		// measured, are sized then).
 		wirecodec.ServerOption(&pb.RangeResponse{}),
 		// Calls run on long-lived goroutines whose stacks have grown to
 		// what a call needs, rather than each on a new goroutine that
@@ -86,7 +87,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	gs := grpc.NewServer(opts...)
 
 	conn := s.client.ActiveConnection()
-	pb.RegisterKVServer(gs, kvproxy.New(kvproxy.Config{
+	kvproxy.Register(gs, kvproxy.New(kvproxy.Config{
 		Store:                  s.store,
 		Follower:               s.follower,
 		Upstream:               pb.NewKVClient(conn),

@@ -64,6 +64,37 @@ func NewEncoded(typ protoreflect.MessageType, pieces []mem.Buffer) *Encoded {
 	return e
 }
 
+// NewEncodedOnce returns the message of type typ whose encoding is what
+// fill appends to an empty slice with room for size bytes. A large one's
+// bytes come from a pool that gRPC gives them back to once it has written
+// them: the message can be sent once, and is not to be read after. A new
+// large allocation per response would be zeroed by the runtime first, and
+// so would one from gRPC's own pool, which clears what it hands out: fill
+// overwrites them anyway.
+func NewEncodedOnce(typ protoreflect.MessageType, size int, fill func([]byte) ([]byte, error)) (*Encoded, error) {
+	if mem.IsBelowBufferPoolingThreshold(size) {
+		b, err := fill(make([]byte, 0, size))
+		if err != nil {
+			return nil, err
+		}
+		return NewEncoded(typ, []mem.Buffer{Piece(b)}), nil
+	}
+	pool := onceBuffers
+	buf := pool.Get(size)
+	b, err := fill((*buf)[:0])
+	switch {
+	case err != nil:
+		pool.Put(buf)
+		return nil, err
+	case cap(b) != cap(*buf):
+		// fill outgrew the buffer (size was short): b is its own.
+		pool.Put(buf)
+		return NewEncoded(typ, []mem.Buffer{Piece(b)}), nil
+	}
+	*buf = b
+	return NewEncoded(typ, []mem.Buffer{mem.NewBuffer(buf, pool)}), nil
+}
+
 // Len is the size of the encoding.
 func (e *Encoded) Len() int { return e.pieces.Len() }
 
@@ -164,3 +195,57 @@ func (c codec) Unmarshal(data mem.BufferSlice, v any) error { return c.proto.Unm
 
 // Name is the proto codec's: the bytes on the wire are protobuf.
 func (c codec) Name() string { return grpcproto.Name }
+
+// onceBuffers is the pool of NewEncodedOnce's buffers.
+var onceBuffers = newUnclearedPool()
+
+// unclearedPool is a mem.BufferPool whose buffers keep whatever bytes they
+// held: for a caller that overwrites every byte it uses. Buffers come in
+// power-of-two capacities from 4 KiB, each from its own sync.Pool; one
+// larger than the largest class is allocated and never kept.
+type unclearedPool struct {
+	classes [unclearedClasses]sync.Pool // of *[]byte; class i holds cap 4 KiB << i
+}
+
+const (
+	unclearedMinShift = 12 // 4 KiB
+	unclearedClasses  = 13 // up to 16 MiB
+)
+
+func newUnclearedPool() *unclearedPool { return &unclearedPool{} }
+
+// class returns the class of a buffer of n bytes, or -1 if none holds it.
+func (p *unclearedPool) class(n int) int {
+	for i := range unclearedClasses {
+		if n <= 1<<(unclearedMinShift+i) {
+			return i
+		}
+	}
+	return -1
+}
+
+// Get returns a buffer of length n, its bytes not cleared.
+func (p *unclearedPool) Get(n int) *[]byte {
+	c := p.class(n)
+	if c < 0 {
+		b := make([]byte, n)
+		return &b
+	}
+	if buf, ok := p.classes[c].Get().(*[]byte); ok {
+		*buf = (*buf)[:n]
+		return buf
+	}
+	b := make([]byte, n, 1<<(unclearedMinShift+c))
+	return &b
+}
+
+// Put gives back a buffer that Get returned.
+func (p *unclearedPool) Put(buf *[]byte) {
+	c := p.class(cap(*buf))
+	if c < 0 || cap(*buf) != 1<<(unclearedMinShift+c) {
+		return
+	}
+	p.classes[c].Put(buf)
+}
+
+var _ mem.BufferPool = (*unclearedPool)(nil)

@@ -325,3 +325,52 @@ func TestServerSendsEncodedThroughInterceptors(t *testing.T) {
 		t.Fatalf("logged %d payloads, the first %s; want %d, the first %s", len(log.sent), log.sent[0], 2*rounds, wantLog)
 	}
 }
+
+// TestEncodedOnce: a message built once, small or from the pool, encodes
+// as fill made it; a fill that errs, or outgrows its room, leaves the pool
+// intact.
+func TestEncodedOnce(t *testing.T) {
+	typ := (&mvccpb.KeyValue{}).ProtoReflect().Type()
+	for _, n := range []int{0, 10, 1 << 10, 5000, 1 << 20, 20 << 20} {
+		kv := &mvccpb.KeyValue{Key: []byte("k"), Value: bytes.Repeat([]byte{'v'}, n)}
+		want, err := proto.Marshal(kv)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for round := range 3 { // reused buffers hold the last round's bytes
+			e, err := NewEncodedOnce(typ, len(want), func(b []byte) ([]byte, error) {
+				return proto.MarshalOptions{}.MarshalAppend(b, kv)
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(e.Bytes(), want) || !proto.Equal(e, kv) {
+				t.Fatalf("value of %d bytes, round %d: encoded %d bytes, want %d", n, round, e.Len(), len(want))
+			}
+			data, err := Codec().Marshal(e)
+			if err != nil || !bytes.Equal(data.Materialize(), want) {
+				t.Fatalf("codec: %v", err)
+			}
+			data.Free() // what gRPC does once it has written it
+		}
+	}
+	boom := errors.New("boom")
+	if _, err := NewEncodedOnce(typ, 8192, func(b []byte) ([]byte, error) { return nil, boom }); !errors.Is(err, boom) {
+		t.Fatalf("fill's error: %v", err)
+	}
+	e, err := NewEncodedOnce(typ, 8192, func(b []byte) ([]byte, error) { return append(b, make([]byte, 9000)...), nil })
+	if err != nil || e.Len() != 9000 {
+		t.Fatalf("outgrown: %v, %d bytes", err, e.Len())
+	}
+}
+
+func TestUnclearedPoolClasses(t *testing.T) {
+	p := newUnclearedPool()
+	for _, n := range []int{1, 4096, 4097, 1 << 20, 16 << 20, 16<<20 + 1} {
+		buf := p.Get(n)
+		if len(*buf) != n {
+			t.Fatalf("Get(%d): len %d", n, len(*buf))
+		}
+		p.Put(buf)
+	}
+}
