@@ -11,17 +11,23 @@ import (
 
 // Bounds of the flattened-range cache. A kube-apiserver LIST reads one range
 // at one revision in pages; a handful of LISTs run at once. With a history
-// budget, the cache counts in it and takes at most half of it.
+// budget, the cache counts in it and takes at most half of it. A read
+// without a limit is cached when it has at least defaultMinFlatKVs
+// key-values: smaller ones cost less to walk again than they would evict.
 const (
-	maxFlatRanges = 8
-	maxFlatBytes  = 16 << 20 // 2 Mi pointers
+	maxFlatRanges     = 8
+	maxFlatBytes      = 16 << 20 // 2 Mi pointers
+	defaultMinFlatKVs = 512
 )
 
 // flatRanges caches key-ordered slices of ranges of snapshots. The pages of
 // a paginated LIST (one range end, one revision, each page starting after
 // the previous one) then cost a binary search for their count and a copy of
 // limit pointers for their keys, instead of a walk of the rest of the range
-// per page, which makes a LIST quadratic in etcd.
+// per page, which makes a LIST quadratic in etcd. A large read without a
+// limit, again at the same revision, costs a copy of the slice instead of
+// a walk of the tree (a key comparison per key-value for the range's end),
+// and its count, for the budget's estimate, a binary search.
 //
 // Entries are immutable once cached: a snapshot never changes, and neither
 // do its KeyValues. An entry never outlives its snapshot in the store: it
@@ -36,6 +42,9 @@ type flatRanges struct {
 	// onGrow is called, without mu, after an entry was added; set once by
 	// New (the store enforces its budget).
 	onGrow func()
+	// minKVs is the fewest key-values of a read without a limit that is
+	// cached; set once by New.
+	minKVs int
 
 	mu sync.Mutex
 	// Guarded by mu.
@@ -140,11 +149,18 @@ func (f *flatRanges) size() int64 {
 // page returns up to limit key-values of the entry from key on, and how
 // many it holds from key on.
 func (e *flatRange) page(key []byte, limit int64) ([]*mvccpb.KeyValue, int64) {
-	i := sort.Search(len(e.kvs), func(i int) bool { return bytes.Compare(e.kvs[i].Key, key) >= 0 })
-	rest := e.kvs[i:]
+	rest := e.kvs[e.search(key):]
 	n := min(int64(len(rest)), limit)
 	// A copy: the caller may truncate or rewrite its results.
 	out := make([]*mvccpb.KeyValue, n)
 	copy(out, rest)
 	return out, int64(len(rest))
+}
+
+// count returns how many key-values the entry holds from key on.
+func (e *flatRange) count(key []byte) int64 { return int64(len(e.kvs) - e.search(key)) }
+
+// search returns the index of the entry's first key-value from key on.
+func (e *flatRange) search(key []byte) int {
+	return sort.Search(len(e.kvs), func(i int) bool { return bytes.Compare(e.kvs[i].Key, key) >= 0 })
 }

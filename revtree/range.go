@@ -3,6 +3,7 @@ package revtree
 import (
 	"bytes"
 	"math"
+	"slices"
 	"sort"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
@@ -120,6 +121,11 @@ func (v View) count(key, rangeEnd []byte) int64 {
 	if len(end) > 0 && bytes.Compare(key, end) >= 0 {
 		return 0
 	}
+	if v.flat != nil {
+		if e := v.flat.get(v.snap, key, end); e != nil {
+			return e.count(key)
+		}
+	}
 	var n int64
 	v.ascendTree(key, end, func(*mvccpb.KeyValue) bool {
 		n++
@@ -166,7 +172,21 @@ func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, in
 		return all, int64(len(all))
 	}
 	if limit <= 0 {
+		if v.flat == nil {
+			all := v.scan(key, end, 0)
+			return all, int64(len(all))
+		}
+		// A large range read again at the same revision (the LISTs of
+		// a quiet keyspace, or at one revision) is a copy of the
+		// flattened range the first read made.
+		if e := v.flat.get(v.snap, key, end); e != nil {
+			return e.page(key, math.MaxInt64)
+		}
 		all := v.scan(key, end, 0)
+		if len(all) >= v.flat.minKVs {
+			// The caller may truncate or rewrite its results.
+			v.flat.put(newFlatRange(v.snap, v.gen, key, end, slices.Clone(all)))
+		}
 		return all, int64(len(all))
 	}
 	var kvs []*mvccpb.KeyValue

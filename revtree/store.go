@@ -147,6 +147,7 @@ func New(degree int) *Store {
 	}
 	s.flat.limit = maxFlatBytes
 	s.flat.onGrow = s.enforceBudget
+	s.flat.minKVs = defaultMinFlatKVs
 	return s
 }
 
