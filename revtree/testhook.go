@@ -13,7 +13,7 @@ import "go.etcd.io/etcd/api/v3/mvccpb"
 func (s *Store) CorruptForTest(kv *mvccpb.KeyValue) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	s.latest.ReplaceOrInsert(kv)
+	s.latest.ReplaceOrInsert(newEntry(kv)) // the store's own copy, as every key-value it holds
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if newest, ok := s.snapshots.Max(); ok {
