@@ -36,6 +36,7 @@ var httpPaths = []struct{ path, want string }{
 	{"/readyz", "ok"},
 	{"/readyz?verbose", "[+]cache ok"},
 	{"/readyz/cache", "ok"},
+	{"/readyz/auth", "ok"},
 	{"/debug/pprof/", "goroutine"},
 }
 

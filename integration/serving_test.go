@@ -78,9 +78,12 @@ func TestReadinessFollowsTheLoad(t *testing.T) {
 
 	r.Restore()
 	proxytest.WaitReady(t, p)
-	if code, _ := get("/readyz"); code != http.StatusOK {
-		t.Fatalf("/readyz = %d after the load, want 200", code)
-	}
+	// Ready once the auth mirror's next probe (up to 250 ms after etcd
+	// is back) has learned etcd's auth state too.
+	testsupport.WaitFor(t, waitTimeout, "/readyz 200 after the load", func() bool {
+		code, _ := get("/readyz")
+		return code == http.StatusOK
+	})
 	testsupport.WaitFor(t, waitTimeout, "health SERVING", func() bool { return health() == healthpb.HealthCheckResponse_SERVING })
 	// As grpc-proxy: the proxy's own metrics at /proxy/metrics, etcd's
 	// relayed at /metrics.

@@ -514,9 +514,10 @@ func (s *Server) newHTTPEndpoints() (httpEndpoints, error) {
 }
 
 // readyChecks are the checks of /readyz, which the gRPC health service
-// and the ready metric follow too: the cache answers for etcd, the
-// upstream watch that feeds it is not lost, and the proxy is not stopping
-// (Kubernetes' "shutdown" check).
+// and the ready metric follow too: the cache answers for etcd, the proxy
+// knows whether etcd has auth enabled, the upstream watch that feeds the
+// cache is not lost, and the proxy is not stopping (Kubernetes' "shutdown"
+// check).
 func (s *Server) readyChecks() []probeCheck {
 	return []probeCheck{
 		{"cache", func() error {
@@ -530,6 +531,15 @@ func (s *Server) readyChecks() []probeCheck {
 				return fmt.Errorf("the cache is loading: %w", err)
 			}
 			return errors.New("the cache is loading")
+		}},
+		{"auth", func() error {
+			// Until then a cached read must ask etcd for its auth
+			// state (an AuthStatus, which etcd commits through raft)
+			// before it is served.
+			if _, known := s.authMirror.Enabled(); !known {
+				return errors.New("etcd's auth state is not known yet")
+			}
+			return nil
 		}},
 		{"upstream", func() error {
 			return upstreamLost(s.follower.NotFollowingSince(), time.Now(), s.cfg.UpstreamLostThreshold)
