@@ -189,6 +189,8 @@ type blockingStream struct {
 	unblock chan struct{}
 }
 
+func (s *blockingStream) SendMsg(m any) error { return s.Send(asRangeStreamResponse(m)) }
+
 func (s *blockingStream) Send(r *pb.RangeStreamResponse) error {
 	select {
 	case s.sending <- struct{}{}:

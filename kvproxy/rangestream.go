@@ -9,10 +9,12 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -104,7 +106,8 @@ func (s *Server) rangeStreamFromView(rt route, req *pb.RangeRequest, opts revtre
 			return err
 		}
 		resp := view.Range(r, opts)
-		if held, err = s.fitCached(ctx, held, resp, -1); err != nil {
+		size := revtree.RangeResponseSize(r, resp)
+		if held, err = s.fitCached(ctx, held, resp, size); err != nil {
 			return err
 		}
 		count += int64(len(resp.Kvs))
@@ -125,15 +128,35 @@ func (s *Server) rangeStreamFromView(rt route, req *pb.RangeRequest, opts revtre
 				out.Count += rest.Count
 			}
 		}
-		err = stream.Send(&pb.RangeStreamResponse{RangeResponse: out})
+		err = s.sendChunk(stream, r, out)
 		s.releaseCached(held)
 		if err != nil || done {
 			return err
 		}
 		r.Key = nextKey
-		r.Limit = min(adjustChunkLimit(r.Limit, proto.Size(resp), streamChunkTargetBytes), totalLimit-count)
+		r.Limit = min(adjustChunkLimit(r.Limit, size, streamChunkTargetBytes), totalLimit-count)
 	}
 }
+
+// sendChunk sends out, a chunk of key-values View.Range returned for r,
+// encoded from the store's encodings of its key-values (see rangeMessage).
+func (s *Server) sendChunk(stream grpc.ServerStream, r *pb.RangeRequest, out *pb.RangeResponse) error {
+	outSize := revtree.RangeResponseSize(r, out)
+	msg, err := wirecodec.NewEncodedOnce(rangeStreamResponseType, 1+protowire.SizeVarint(uint64(outSize))+outSize, func(b []byte) ([]byte, error) {
+		b = protowire.AppendTag(b, rangeStreamResponseField, protowire.BytesType)
+		b = protowire.AppendVarint(b, uint64(outSize))
+		return revtree.AppendRangeResponse(b, r, out)
+	})
+	if err != nil {
+		return status.Errorf(codes.Internal, "etcd-snapcache: encoding a range stream response: %v", err)
+	}
+	return stream.SendMsg(msg)
+}
+
+// rangeStreamResponseField is RangeStreamResponse's range_response.
+const rangeStreamResponseField = 1
+
+var rangeStreamResponseType = (&pb.RangeStreamResponse{}).ProtoReflect().Type()
 
 // adjustChunkLimit is etcd's: double or halve the chunk outside [0.5x, 2x]
 // of the target size, never below 1.

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -153,6 +154,25 @@ func (s *fakeRangeStreamServer) Context() context.Context { return s.ctx }
 func (s *fakeRangeStreamServer) Send(r *pb.RangeStreamResponse) error {
 	s.sent = append(s.sent, r)
 	return nil
+}
+
+// SendMsg takes what the server sends on the stream, a response or its
+// encoding, as gRPC would (and as the client would decode it).
+func (s *fakeRangeStreamServer) SendMsg(m any) error { return s.Send(asRangeStreamResponse(m)) }
+
+func asRangeStreamResponse(m any) *pb.RangeStreamResponse {
+	if r, ok := m.(*pb.RangeStreamResponse); ok {
+		return r
+	}
+	b, err := proto.Marshal(m.(proto.Message))
+	if err != nil {
+		panic(err)
+	}
+	r := &pb.RangeStreamResponse{}
+	if err := proto.Unmarshal(b, r); err != nil {
+		panic(err)
+	}
+	return r
 }
 
 func putKV(key, value string, rev, create, version int64) *mvccpb.KeyValue {
