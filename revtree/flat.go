@@ -2,6 +2,7 @@ package revtree
 
 import (
 	"bytes"
+	"slices"
 	"sort"
 	"sync"
 	"unsafe"
@@ -62,10 +63,16 @@ type flatRange struct {
 	end   []byte    // exclusive; empty means unbounded
 	kvs   []*mvccpb.KeyValue
 	bytes int64 // estimated memory of the entry
+	// whole marks an entry made by a read without a limit: evicted
+	// before any made for pages, so that unlimited reads at ever new
+	// revisions (LISTs at the head while etcd is written) never push out
+	// the pages of a LIST in progress, which would then each walk the
+	// rest of the range again.
+	whole bool
 }
 
-func newFlatRange(snap *snapshot, gen uint64, start, end []byte, kvs []*mvccpb.KeyValue) *flatRange {
-	return &flatRange{snap: snap, gen: gen, start: start, end: end, kvs: kvs,
+func newFlatRange(snap *snapshot, gen uint64, start, end []byte, kvs []*mvccpb.KeyValue, whole bool) *flatRange {
+	return &flatRange{snap: snap, gen: gen, start: start, end: end, kvs: kvs, whole: whole,
 		bytes: sizeClass(int64(8*cap(kvs))) + sizeClass(int64(unsafe.Sizeof(flatRange{}))) + bytesAlloc(len(start)) + bytesAlloc(len(end))}
 }
 
@@ -100,11 +107,16 @@ func (f *flatRanges) put(e *flatRange) {
 	}
 }
 
+// evictLocked drops entries while the cache is past its bounds: the least
+// recently used of unlimited reads first, then of pages.
 func (f *flatRanges) evictLocked() {
 	for len(f.entries) > maxFlatRanges || f.bytes > f.limit {
-		f.bytes -= f.entries[0].bytes
-		f.entries[0] = nil
-		f.entries = f.entries[1:]
+		i := slices.IndexFunc(f.entries, func(e *flatRange) bool { return e.whole })
+		if i < 0 {
+			i = 0
+		}
+		f.bytes -= f.entries[i].bytes
+		f.entries = slices.Delete(f.entries, i, i+1)
 	}
 }
 

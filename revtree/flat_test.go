@@ -81,3 +81,54 @@ func TestFlatRangesPaginate(t *testing.T) {
 		}
 	}
 }
+
+// TestFlatRangesKeepPagesOverWholeReads: unlimited reads at ever new
+// revisions (LISTs at the head while etcd is written) are cached too, but
+// never push out the flattened ranges of paginations in progress.
+func TestFlatRangesKeepPagesOverWholeReads(t *testing.T) {
+	s := New(8)
+	s.flat.minKVs = 1
+	var kvs []*mvccpb.KeyValue
+	for i := 0; i < 100; i++ {
+		key := fmt.Appendf(nil, "/registry/pods/%03d", i)
+		kvs = append(kvs, &mvccpb.KeyValue{Key: key, Value: key, CreateRevision: 2, ModRevision: 2, Version: 1})
+	}
+	s.Reset(2, kvs, 0)
+	prefix, end := []byte("/registry/pods/"), []byte("/registry/pods0")
+	// maxFlatRanges paginations, each at its own revision, first pages.
+	var pages []*pb.RangeRequest
+	for rev := int64(3); len(pages) < maxFlatRanges; rev++ {
+		if _, err := s.Apply(rev, []*mvccpb.Event{{Type: mvccpb.PUT, Kv: &mvccpb.KeyValue{Key: []byte("/registry/pods/000"), Value: []byte("v"), CreateRevision: 2, ModRevision: rev, Version: rev - 1}}}); err != nil {
+			t.Fatal(err)
+		}
+		page := &pb.RangeRequest{Key: prefix, RangeEnd: end, Revision: rev, Limit: 10}
+		if _, err := s.Range(page, RangeOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		pages = append(pages, page)
+	}
+	// Unlimited reads at the head, a new revision each.
+	for rev := int64(3 + maxFlatRanges); rev < 40; rev++ {
+		if _, err := s.Apply(rev, []*mvccpb.Event{{Type: mvccpb.PUT, Kv: &mvccpb.KeyValue{Key: []byte("/registry/pods/000"), Value: []byte("v"), CreateRevision: 2, ModRevision: rev, Version: rev - 1}}}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Range(&pb.RangeRequest{Key: prefix, RangeEnd: end}, RangeOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, page := range pages {
+		view, err := s.View(page.Revision)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if view.flat.get(view.snap, []byte("/registry/pods/010"), end) == nil {
+			t.Fatalf("the flattened range of the pagination at %d was evicted by unlimited reads", page.Revision)
+		}
+	}
+	// With every slot taken by pages, an unlimited read's own entry is
+	// the one dropped.
+	view, _ := s.View(0)
+	if view.flat.get(view.snap, prefix, end) != nil {
+		t.Fatal("an unlimited read was cached over the pages' room")
+	}
+}

@@ -165,7 +165,7 @@ func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, in
 		}
 		all := v.scan(key, end, 0)
 		if int64(len(all)) > limit {
-			e := newFlatRange(v.snap, v.gen, key, end, all)
+			e := newFlatRange(v.snap, v.gen, key, end, all, false)
 			v.flat.put(e)
 			return e.page(key, limit)
 		}
@@ -185,7 +185,7 @@ func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, in
 		all := v.scan(key, end, 0)
 		if len(all) >= v.flat.minKVs {
 			// The caller may truncate or rewrite its results.
-			v.flat.put(newFlatRange(v.snap, v.gen, key, end, slices.Clone(all)))
+			v.flat.put(newFlatRange(v.snap, v.gen, key, end, slices.Clone(all), true))
 		}
 		return all, int64(len(all))
 	}
