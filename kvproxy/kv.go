@@ -267,10 +267,8 @@ func (s *Server) serveRange(ctx context.Context, r *pb.RangeRequest, encode bool
 		return nil, nil, err
 	}
 	resp = rt.view.Range(r, rules.opts)
-	// The header is filled before the budget sizes the response, and
-	// nothing changes it after: the response is encoded with the sizes
-	// computed then (here, or by wirecodec.ServerOption), not with a
-	// second pass.
+	// The header is filled before the response is sized, and nothing
+	// changes it after: it is encoded at the size computed then.
 	s.follower.FillHeader(resp.Header)
 	size := -1
 	if encode {

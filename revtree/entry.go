@@ -150,14 +150,11 @@ func RangeResponseSize(r *pb.RangeRequest, resp *pb.RangeResponse) int {
 	if resp.Header != nil {
 		n += bytesFieldSize(proto.Size(resp.Header))
 	}
-	if r.KeysOnly {
-		// Copies without values, which have no stored encoding.
-		for _, kv := range resp.Kvs {
+	for _, kv := range resp.Kvs {
+		if enc := storedEncoding(r, kv); enc != nil {
+			n += bytesFieldSize(len(enc))
+		} else {
 			n += bytesFieldSize(proto.Size(kv))
-		}
-	} else {
-		for _, kv := range resp.Kvs {
-			n += bytesFieldSize(kvSize(kv))
 		}
 	}
 	if resp.More {
@@ -166,11 +163,14 @@ func RangeResponseSize(r *pb.RangeRequest, resp *pb.RangeResponse) int {
 	return n + varintFieldSize(resp.Count)
 }
 
-func kvSize(kv *mvccpb.KeyValue) int {
-	if n := entryOf(kv).encLen; n != 0 {
-		return int(n)
+// storedEncoding returns the stored encoding of kv, a key-value of
+// View.Range's response to r; nil for the copies of a keys-only response,
+// which have none, and for a stored key-value without one.
+func storedEncoding(r *pb.RangeRequest, kv *mvccpb.KeyValue) []byte {
+	if r.KeysOnly {
+		return nil
 	}
-	return proto.Size(kv)
+	return encoding(kv)
 }
 
 // AppendRangeResponse appends the encoding of resp, a response that
@@ -187,10 +187,7 @@ func AppendRangeResponse(b []byte, r *pb.RangeRequest, resp *pb.RangeResponse) (
 		}
 	}
 	for _, kv := range resp.Kvs {
-		var enc []byte
-		if !r.KeysOnly {
-			enc = encoding(kv)
-		}
+		enc := storedEncoding(r, kv)
 		if enc == nil {
 			b = protowire.AppendVarint(b, rangeKVTag)
 			b = protowire.AppendVarint(b, uint64(proto.Size(kv)))

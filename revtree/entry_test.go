@@ -59,9 +59,6 @@ func TestEntryEncodingIsProtobufs(t *testing.T) {
 		if got := encoding(stored); !bytes.Equal(got, want) {
 			t.Fatalf("encoding of %v:\n%x\nproto.Marshal:\n%x", kv, got, want)
 		}
-		if got := storedSizeOf(stored); got != len(want) {
-			t.Fatalf("size %d, proto.Size %d", got, len(want))
-		}
 		// The stored key and value are slices of the encoding that an
 		// append cannot write through.
 		if cap(stored.Key) != len(stored.Key) || cap(stored.Value) != len(stored.Value) {
@@ -83,5 +80,3 @@ func TestEntryWithoutEncoding(t *testing.T) {
 		t.Fatalf("encoded %x, %v; want %x", got, err, want)
 	}
 }
-
-func storedSizeOf(kv *mvccpb.KeyValue) int { return kvSize(kv) }

@@ -55,10 +55,8 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		// Watch events and Range responses from the cache go out
 		// pre-encoded (an event once for every watcher, a key-value
 		// once for every read); every other message is gRPC's proto
-		// codec's, but Range responses are encoded with the sizes
-		// computed when they were last measured (etcd's, never
-		// measured, are sized then).
-		wirecodec.ServerOption(&pb.RangeResponse{}),
+		// codec's.
+		wirecodec.ServerOption(),
 		// Calls run on long-lived goroutines whose stacks have grown to
 		// what a call needs, rather than each on a new goroutine that
 		// grows its stack again (runtime.morestack: a tenth of a cached

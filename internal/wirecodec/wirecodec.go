@@ -120,41 +120,27 @@ func (e *Encoded) ProtoReflect() protoreflect.Message {
 
 var _ proto.Message = (*Encoded)(nil)
 
-// codec sends an Encoded as it is, a message of a sized type with the sizes
-// its producer computed, and hands everything else to gRPC's proto codec.
+// codec sends an Encoded as it is and hands every other message to gRPC's
+// proto codec.
 type codec struct {
 	proto encoding.CodecV2
-	sized map[protoreflect.FullName]bool
 }
 
 // Codec returns the server codec: Encoded messages are sent as they are,
-// every other message is gRPC's proto codec's, but for those of the sized
-// types (see ServerOption).
-func Codec(sized ...proto.Message) encoding.CodecV2 {
+// every other message is gRPC's proto codec's.
+func Codec() encoding.CodecV2 {
 	c := encoding.GetCodecV2(grpcproto.Name)
 	if c == nil {
 		// The import above registers it; nil would be a broken build.
 		panic(fmt.Sprintf("wirecodec: gRPC's %q codec is not registered", grpcproto.Name))
 	}
-	cd := codec{proto: c, sized: map[protoreflect.FullName]bool{}}
-	for _, m := range sized {
-		cd.sized[m.ProtoReflect().Descriptor().FullName()] = true
-	}
-	return cd
+	return codec{proto: c}
 }
 
 // ServerOption makes a gRPC server use Codec for every call, whatever the
 // content-subtype: the etcd API is protobuf only.
-//
-// Messages of the sized types are encoded with the sizes protobuf cached
-// when their producer last called proto.Size on them, instead of sizing
-// them again as gRPC's codec does (a full pass over a large response). The
-// producer of such a message promises that it did not change it after
-// sizing it, nor any message within it after that was sized: shared
-// immutable messages (a store's key-values) keep sizes that stay true. A
-// message never sized is sized here, as by gRPC's codec.
-func ServerOption(sized ...proto.Message) grpc.ServerOption {
-	return grpc.ForceServerCodecV2(Codec(sized...))
+func ServerOption() grpc.ServerOption {
+	return grpc.ForceServerCodecV2(Codec())
 }
 
 // Marshal returns an Encoded's pieces themselves: gRPC reads them and then
@@ -163,32 +149,7 @@ func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 	if e, ok := v.(*Encoded); ok {
 		return e.pieces, nil
 	}
-	if m, ok := v.(proto.Message); ok && len(c.sized) > 0 && c.sized[m.ProtoReflect().Descriptor().FullName()] {
-		return marshalSized(m)
-	}
 	return c.proto.Marshal(v)
-}
-
-// marshalSized is gRPC's proto codec's Marshal, but for its size pass,
-// which reads the size cached by the producer's last proto.Size (or
-// computes it if there is none).
-func marshalSized(m proto.Message) (mem.BufferSlice, error) {
-	opts := proto.MarshalOptions{UseCachedSize: true}
-	size := opts.Size(m)
-	if mem.IsBelowBufferPoolingThreshold(size) {
-		b, err := opts.Marshal(m)
-		if err != nil {
-			return nil, err
-		}
-		return mem.BufferSlice{mem.SliceBuffer(b)}, nil
-	}
-	pool := mem.DefaultBufferPool()
-	buf := pool.Get(size)
-	if _, err := opts.MarshalAppend((*buf)[:0], m); err != nil {
-		pool.Put(buf)
-		return nil, err
-	}
-	return mem.BufferSlice{mem.NewBuffer(buf, pool)}, nil
 }
 
 func (c codec) Unmarshal(data mem.BufferSlice, v any) error { return c.proto.Unmarshal(data, v) }
@@ -197,7 +158,7 @@ func (c codec) Unmarshal(data mem.BufferSlice, v any) error { return c.proto.Unm
 func (c codec) Name() string { return grpcproto.Name }
 
 // onceBuffers is the pool of NewEncodedOnce's buffers.
-var onceBuffers = newUnclearedPool()
+var onceBuffers = &unclearedPool{}
 
 // unclearedPool is a mem.BufferPool whose buffers keep whatever bytes they
 // held: for a caller that overwrites every byte it uses. Buffers come in
@@ -211,8 +172,6 @@ const (
 	unclearedMinShift = 12 // 4 KiB
 	unclearedClasses  = 13 // up to 16 MiB
 )
-
-func newUnclearedPool() *unclearedPool { return &unclearedPool{} }
 
 // class returns the class of a buffer of n bytes, or -1 if none holds it.
 func (p *unclearedPool) class(n int) int {

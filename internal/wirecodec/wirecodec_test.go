@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"net"
 	"sync"
@@ -117,46 +116,6 @@ func TestCodecFallsBackToProto(t *testing.T) {
 	}
 	if _, err := c.Marshal("not a message"); err == nil {
 		t.Fatal("marshaled a string")
-	}
-}
-
-// TestCodecSizedTypes: a message of a sized type is encoded as gRPC's codec
-// encodes it, whether its producer sized it (the cached sizes are used) or
-// not (it is sized here), small or large (pooled buffer); shared
-// key-values sized inside one response keep sizes that stay true in the
-// next.
-func TestCodecSizedTypes(t *testing.T) {
-	c, std := Codec(&pb.RangeResponse{}), encoding.GetCodecV2(grpcproto.Name)
-	shared := make([]*mvccpb.KeyValue, 2000)
-	for i := range shared {
-		shared[i] = &mvccpb.KeyValue{Key: fmt.Appendf(nil, "/k/%05d", i), Value: bytes.Repeat([]byte{'v'}, i%300), ModRevision: int64(i + 1), CreateRevision: 1, Version: int64(i%7 + 1)}
-	}
-	for _, tc := range []struct {
-		name  string
-		resp  *pb.RangeResponse
-		sized bool
-	}{
-		{"small, never sized", &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: 9, MemberId: 3}, Kvs: shared[:3], Count: 3}, false},
-		{"small, sized", &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: 9, MemberId: 3}, Kvs: shared[:3], Count: 3}, true},
-		{"large, sized", &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: 10, RaftTerm: 2}, Kvs: shared, Count: 2000}, true},
-		{"large, never sized, key-values sized before", &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: 11}, Kvs: shared[1000:], More: true, Count: 2000}, false},
-	} {
-		if tc.sized {
-			proto.Size(tc.resp)
-		}
-		got, err := c.Marshal(tc.resp)
-		if err != nil {
-			t.Fatal(err)
-		}
-		want, err := std.Marshal(tc.resp)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !bytes.Equal(got.Materialize(), want.Materialize()) {
-			t.Fatalf("%s: encoded unlike gRPC's proto codec", tc.name)
-		}
-		got.Free()
-		want.Free()
 	}
 }
 
@@ -365,7 +324,7 @@ func TestEncodedOnce(t *testing.T) {
 }
 
 func TestUnclearedPoolClasses(t *testing.T) {
-	p := newUnclearedPool()
+	p := &unclearedPool{}
 	for _, n := range []int{1, 4096, 4097, 1 << 20, 16 << 20, 16<<20 + 1} {
 		buf := p.Get(n)
 		if len(*buf) != n {
