@@ -83,6 +83,21 @@ func (w *overlayWorkload) next() (int64, []*mvccpb.Event) {
 // compaction and the history budget; its memory estimate is at most the
 // latter's; and a view keeps answering as it did after the store dropped
 // its revision.
+// applyToAll applies revision rev to every store, each with its own copy
+// of the events (Apply fills in PrevKv).
+func applyToAll(t *testing.T, stores []*revtree.Store, rev int64, evs []*mvccpb.Event) {
+	t.Helper()
+	for _, s := range stores {
+		own := make([]*mvccpb.Event, len(evs))
+		for i, ev := range evs {
+			own[i] = proto.Clone(ev).(*mvccpb.Event)
+		}
+		if _, err := s.Apply(rev, own); err != nil {
+			t.Fatalf("Apply(%d): %v", rev, err)
+		}
+	}
+}
+
 func TestCheckpointIntervals(t *testing.T) {
 	intervals := []int{1, 2, 3, 7, revtree.DefaultCheckpointInterval}
 	stores := make([]*revtree.Store, len(intervals))
@@ -123,15 +138,7 @@ func TestCheckpointIntervals(t *testing.T) {
 	}
 	for step := range 1500 {
 		rev, evs := w.next()
-		for _, s := range stores {
-			own := make([]*mvccpb.Event, len(evs))
-			for i, ev := range evs {
-				own[i] = proto.Clone(ev).(*mvccpb.Event)
-			}
-			if _, err := s.Apply(rev, own); err != nil {
-				t.Fatalf("Apply(%d): %v", rev, err)
-			}
-		}
+		applyToAll(t, stores, rev, evs)
 		switch {
 		case step%500 == 499:
 			compare(fmt.Sprintf("at %d", rev))
@@ -172,15 +179,7 @@ func TestCheckpointIntervals(t *testing.T) {
 	}
 	for range 3 * revtree.DefaultCheckpointInterval {
 		rev, evs := w.next()
-		for _, s := range stores {
-			own := make([]*mvccpb.Event, len(evs))
-			for i, ev := range evs {
-				own[i] = proto.Clone(ev).(*mvccpb.Event)
-			}
-			if _, err := s.Apply(rev, own); err != nil {
-				t.Fatalf("Apply(%d): %v", rev, err)
-			}
-		}
+		applyToAll(t, stores, rev, evs)
 	}
 	compare("under a budget of 1 byte")
 	for _, h := range views {

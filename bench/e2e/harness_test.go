@@ -52,14 +52,20 @@ func lookupBinary(env, rel string) string {
 	return abs
 }
 
-// etcdBinary is $ETCD_BIN, else the etcd that tools/build.sh builds.
-func etcdBinary(tb testing.TB) string {
+// requireBinary is lookupBinary's binary, or the test's end with how to
+// build it.
+func requireBinary(tb testing.TB, env, built, how string) string {
 	tb.Helper()
-	p := lookupBinary("ETCD_BIN", "../../.tools/bin/etcd")
+	p := lookupBinary(env, built)
 	if p == "" {
-		tb.Fatal("no etcd binary: build it with `make tools-etcd` (tools/build.sh etcd), or set $ETCD_BIN")
+		tb.Fatalf("no %s binary: %s, or set $%s", filepath.Base(built), how, env)
 	}
 	return p
+}
+
+// etcdBinary is $ETCD_BIN, else the etcd that tools/build.sh builds.
+func etcdBinary(tb testing.TB) string {
+	return requireBinary(tb, "ETCD_BIN", "../../.tools/bin/etcd", "build it with `make tools-etcd` (tools/build.sh etcd)")
 }
 
 // etcdProcess is a single-member etcd run as a separate process.

@@ -20,12 +20,7 @@ import (
 
 // proxyBinary is $SNAPCACHE_BIN, else the binary `make build` builds.
 func proxyBinary(tb testing.TB) string {
-	tb.Helper()
-	p := lookupBinary("SNAPCACHE_BIN", "../../bin/etcd-snapcache")
-	if p == "" {
-		tb.Fatal("no etcd-snapcache binary: build it with `make build`, or set $SNAPCACHE_BIN")
-	}
-	return p
+	return requireBinary(tb, "SNAPCACHE_BIN", "../../bin/etcd-snapcache", "build it with `make build`")
 }
 
 // child is a process the benchmark started, its output in a log file.
