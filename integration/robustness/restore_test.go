@@ -825,7 +825,15 @@ func (l *relabel) kvs(r model.RangeResponse) model.RangeResponse {
 }
 
 func (l *relabel) watch(w model.WatchOperation) model.WatchOperation {
-	w.Request.Revision = l.at(w.Request.Revision)
+	if w.Request.Revision == l.snap+l.bump {
+		// A watch from the restored etcd's first revision gets the
+		// events after it: the bump made that revision, which has no
+		// event of its own, where its counterpart in the model, the
+		// snapshot's revision, has the snapshot's last write.
+		w.Request.Revision = l.snap + 1
+	} else {
+		w.Request.Revision = l.at(w.Request.Revision)
+	}
 	w.Responses = slices.Clone(w.Responses)
 	for i := range w.Responses {
 		resp := &w.Responses[i]
