@@ -95,32 +95,33 @@ func BenchmarkApply(b *testing.B) {
 // reads revision 10000, the whole keyspace or a first page of 500.
 func BenchmarkRangePast(b *testing.B) {
 	for _, degree := range benchDegrees {
-		benchRangePast(b, fmt.Sprintf("degree=%d", degree), degree, revtree.DefaultCheckpointInterval, 1024, 0)
+		benchRangePast(b, fmt.Sprintf("degree=%d", degree), degree, 1024, 2000, 0)
 	}
 }
 
-// BenchmarkRangePastByInterval is BenchmarkRangePast at the default degree
-// for several checkpoint intervals (every), with 128-byte and 1 KiB
-// values, reading the revision before the first checkpoint after the
-// load: the worst case, every-1 revisions of events overlaid.
-func BenchmarkRangePastByInterval(b *testing.B) {
-	for _, every := range benchIntervals {
-		for _, value := range []int{128, 1024} {
-			benchRangePast(b, fmt.Sprintf("every=%d/value=%d", every, value), revtree.DefaultDegree, every, value, int64(every-1))
+// BenchmarkRangePastByHistory is BenchmarkRangePast at the default degree
+// with 128-byte values for several lengths of history after the load
+// (updates, each of one random key: up to 10 versions per key), reading
+// the load's revision (every updated key searches its versions) and the
+// head (every key's newest version).
+func BenchmarkRangePastByHistory(b *testing.B) {
+	for _, updates := range []int{0, 2000, 20_000, 100_000} {
+		for _, at := range []struct {
+			name  string
+			ahead int64
+		}{{"load", 0}, {"head", int64(updates)}} {
+			benchRangePast(b, fmt.Sprintf("updates=%d/at=%s", updates, at.name), revtree.DefaultDegree, 128, updates, at.ahead)
 		}
 	}
 }
 
-// benchIntervals are the checkpoint intervals compared by the benchmarks.
-var benchIntervals = []int{1, 8, 16, 32, 64, 128}
-
-// benchRangePast runs BenchmarkRangePast's reads at revision 10000+ahead.
-func benchRangePast(b *testing.B, name string, degree, every, valueSize int, ahead int64) {
+// benchRangePast runs BenchmarkRangePast's reads at revision 10000+ahead
+// after the given number of updates.
+func benchRangePast(b *testing.B, name string, degree, valueSize, updates int, ahead int64) {
 	ks := newBenchKeyspace(degree, 10_000, valueSize)
-	ks.s.SetCheckpointInterval(every)
 	past := ks.rev + ahead
 	rng := rand.New(rand.NewPCG(3, 4))
-	for range 2000 {
+	for range updates {
 		rev, evs := ks.nextPut(rng.IntN(len(ks.keys)))
 		ks.apply(b, rev, evs)
 	}
@@ -130,6 +131,9 @@ func benchRangePast(b *testing.B, name string, degree, every, valueSize int, ahe
 		want  int
 	}{{"all", 0, 10_000}, {"limit=500", 500, 500}} {
 		b.Run(name+"/"+tc.name, func(b *testing.B) {
+			// A View per read, as kvproxy takes one: the flattened-range
+			// cache keeps a slice per snapshot, so this measures the walk.
+			ks.s.SetMinFlatKVsForTest(1 << 30)
 			req := &pb.RangeRequest{Key: []byte{0}, RangeEnd: []byte{0}, Revision: past, Limit: tc.limit}
 			b.ReportAllocs()
 			for b.Loop() {
@@ -149,8 +153,8 @@ func benchRangePast(b *testing.B, name string, degree, every, valueSize int, ahe
 // per -count, whatever b.N turns out to be) and reports
 //
 //	B/rev         live heap growth per retained revision, everything included
-//	tree-B/rev    the store's own share: copied B-tree nodes, the snapshot,
-//	              its index entry and the Clone bookkeeping
+//	tree-B/rev    the store's own share: its copy of the KeyValue, the
+//	              version, the snapshot and its index slot
 //	payload-B/rev what the caller hands to Apply: the KeyValue with its key
 //	              and value bytes, the Event and the events slice
 //
@@ -160,28 +164,25 @@ func benchRangePast(b *testing.B, name string, degree, every, valueSize int, ahe
 // cost of a past-revision Get with 100k snapshots retained.
 func BenchmarkRetainedRevisionBytes(b *testing.B) {
 	for _, degree := range benchDegrees {
-		benchRetainedRevisionBytes(b, fmt.Sprintf("degree=%d", degree), degree, revtree.DefaultCheckpointInterval, 100_000, 64)
+		benchRetainedRevisionBytes(b, fmt.Sprintf("degree=%d", degree), degree, 100_000, 64)
 	}
 }
 
-// BenchmarkRetainedRevisionBytesByInterval is BenchmarkRetainedRevisionBytes
-// at the default degree for several checkpoint intervals (every), over
-// 100k keys with 64-byte values and over 20k keys with 100-byte values.
-func BenchmarkRetainedRevisionBytesByInterval(b *testing.B) {
-	for _, every := range benchIntervals {
-		for _, ks := range []struct{ keys, value int }{{100_000, 64}, {20_000, 100}} {
-			benchRetainedRevisionBytes(b, fmt.Sprintf("every=%d/keys=%d/value=%d", every, ks.keys, ks.value), revtree.DefaultDegree, every, ks.keys, ks.value)
-		}
+// BenchmarkRetainedRevisionBytesByKeys is BenchmarkRetainedRevisionBytes
+// at the default degree over 100k keys with 64-byte values and over 20k
+// keys with 100-byte values (5 versions per key on average).
+func BenchmarkRetainedRevisionBytesByKeys(b *testing.B) {
+	for _, ks := range []struct{ keys, value int }{{100_000, 64}, {20_000, 100}} {
+		benchRetainedRevisionBytes(b, fmt.Sprintf("keys=%d/value=%d", ks.keys, ks.value), revtree.DefaultDegree, ks.keys, ks.value)
 	}
 }
 
 // benchRetainedRevisionBytes runs BenchmarkRetainedRevisionBytes's
 // measurement for one store configuration and keyspace.
-func benchRetainedRevisionBytes(b *testing.B, name string, degree, every, keys, valueSize int) {
+func benchRetainedRevisionBytes(b *testing.B, name string, degree, keys, valueSize int) {
 	const revs = 100_000
 	b.Run(name, func(b *testing.B) {
 		ks := newBenchKeyspace(degree, keys, valueSize)
-		ks.s.SetCheckpointInterval(every)
 		first := ks.rev
 		rng := rand.New(rand.NewPCG(5, 6))
 		idx := make([]int, revs)

@@ -1,73 +1,65 @@
-// Package revtree is an in-memory MVCC copy of an etcd keyspace: a key-ordered
-// B-tree of *mvccpb.KeyValue, a copy-on-write snapshot of that tree every few
-// revisions, and the events of every revision retained, so that a Range at any
-// retained revision is answered exactly as etcd would answer it.
+// Package revtree is an in-memory MVCC copy of an etcd keyspace: a key index
+// that keeps every key's versions, as etcd's keyIndex does, and the events of
+// every revision retained, so that a Range at any retained revision is
+// answered exactly as etcd would answer it.
 //
 // # Layout
 //
-// The store keeps a mutable working tree (latest) that only writers touch,
-// one at a time, and an index of immutable snapshots ordered by revision,
-// one per applied revision. Applying revision N mutates latest and then
-// publishes a snapshot for N that holds N's events. Every
-// DefaultCheckpointInterval revisions (SetCheckpointInterval), and after a
-// load, the snapshot is a checkpoint: it also holds latest.Clone(). Clone
-// is O(1): the checkpoint and latest share every node until latest next
-// writes one, at which point latest copies the path from the root to that
-// node. The writes of a whole window between two checkpoints copy each
-// node once, so a retained revision costs its share of the window's paths
-// rather than a path of its own; the window's writes spread over distinct
-// leaves, so that share falls slowly as the interval grows. KeyValues are
-// shared by all snapshots that contain them and are never mutated after
-// insertion.
-//
-// A snapshot between checkpoints links back to the snapshot before it, up
-// to its checkpoint, and is read from the checkpoint's tree overlaid with
-// the events of the snapshots on the way (overlay.go): a key's newest
-// event in that window is its state, a put's KeyValue or absent after a
-// delete. Every Range result is computed from that merged iteration as
-// from a tree. The newest snapshot also holds a clone of latest while it
-// is the newest, so reads at the head overlay nothing; the next revision
-// clears it, and the path copies it caused are garbage.
+// The key index (keyindex.go) is a B-tree of keys ordered by key, each with
+// its versions in revision order: the KeyValue a put stored, or nil for a
+// delete. The store also keeps one snapshot per retained revision, ordered
+// by revision, holding that revision's events. Applying revision N appends
+// a version to each key its events touch (inserting the keys it creates)
+// and publishes snapshot N. A read at revision R takes the snapshot with
+// the greatest revision <= R (a floor lookup) and walks the index over the
+// requested range, taking each key's newest version at or below it. No
+// tree is copied per revision: a retained revision costs its snapshot, its
+// events, its versions and the KeyValues it displaced. KeyValues are never
+// mutated after insertion.
 //
 // # Worked example
 //
 // Load at revision 4 with {a@2, b@4}, then apply put(c)@5, del(a)@6, and a
-// Txn put(b),put(d)@7, with a checkpoint interval of 2:
+// Txn put(b),put(d)@7:
 //
-//	snapshot 4: tree {a@2 b@4}       events: none (load; a checkpoint)
-//	snapshot 5: read as 4 + PUT c    events: PUT c
-//	snapshot 6: tree {b@4 c@5}       events: DELETE a (prev a@2); a checkpoint
-//	snapshot 7: read as 6 + PUT b, PUT d (and its own tree while newest)
-//	                                 events: PUT b (prev b@4), PUT d
+//	index: a: [2:a@2 6:deleted]
+//	       b: [4:b@4 7:b@7]
+//	       c: [5:c@5]
+//	       d: [7:d@7]
+//	snapshots: 4 (load, no events), 5: PUT c, 6: DELETE a (prev a@2),
+//	           7: PUT b (prev b@4), PUT d
 //
-// A read at 5 overlays PUT c on {a@2 b@4}: {a@2 b@4 c@5}. A read at
-// revision R uses the snapshot with the greatest revision <= R (a floor
-// lookup). Once a progress notification proves etcd is at 9 with no
-// change after 7, Advance(9) makes revisions 8 and 9 readable from snapshot 7.
-// A read at 3 is older than every snapshot: ErrNotRetained (the caller asks
-// etcd). A read at 10 is ErrFutureRev.
+// A read at 5 takes a@2, b@4 and c@5; at 6, b@4 and c@5. Once a progress
+// notification proves etcd is at 9 with no change after 7, Advance(9)
+// makes revisions 8 and 9 readable from snapshot 7. A read at 3 is older
+// than every snapshot: ErrNotRetained (the caller asks etcd). A read at 10
+// is ErrFutureRev.
 //
-// Compact(6) records compaction revision 6 and drops every snapshot older than
-// the floor of 6: snapshots 4 and 5 go, 6 stays because a read at exactly the
-// compaction revision is still valid in etcd. A read at 5 is then ErrCompacted.
-// Had it been Compact(5), snapshot 4 would have left the index but its
-// tree would stay, reachable from snapshot 5, for as long as 5 is.
+// Compact(6) records compaction revision 6 and drops every snapshot older
+// than the floor of 6: snapshots 4 and 5 go, 6 stays because a read at
+// exactly the compaction revision is still valid in etcd. A read at 5 is
+// then ErrCompacted. The index is then pruned, for the keys the dropped
+// snapshots' events touched, of the versions only dropped revisions
+// could read: here c, which has none to lose. Once snapshot 6 goes too,
+// a leaves the index (no retained revision comes before its delete), and
+// once 7 goes, b keeps only b@7.
 //
 // # Memory
 //
 // The store counts its memory per applied revision, with a deterministic
 // estimate of each object it keeps (memory.go): the live keyspace (its
-// KeyValues and tree) and, on top of it, history: per retained revision
-// its snapshot, its share of the tree nodes its window's writes copied
-// (and a cloned tree header for a checkpoint), its events and the
-// KeyValues it displaced, plus the flattened-range cache (flat.go).
-// TestMemoryEstimate checks the estimate against runtime.MemStats.
+// KeyValues, one version of each key and the index's tree) and, on top of
+// it, history: per retained revision its snapshot, its events and the
+// KeyValues it displaced, the versions and deleted keys the index keeps
+// for it, plus the flattened-range cache (flat.go). TestMemoryEstimate
+// checks the estimate against runtime.MemStats.
 //
-// A snapshot dropped from the index (by Compact or the budget) frees its
-// memory once no retained snapshot links back to it: at once if the new
-// oldest snapshot is a checkpoint, else when the rest of its window goes.
-// The estimate counts it freed when it is dropped, so it runs ahead of the
-// heap by at most one window.
+// A snapshot dropped from the store (by Compact or the budget) frees its
+// snapshot and events at once. The versions only it could read, and the
+// KeyValues they hold, go when the index is next pruned: Compact prunes at
+// once, the budget after a sixteenth of history has been dropped, so that
+// a key written by every revision has its versions copied a bounded number
+// of times. The estimate counts them until the prune.
 //
 // SetMaxHistoryBytes bounds history. Past the bound, Apply drops the oldest
 // snapshots, as Compact does, but leaves the compaction revision alone:
@@ -75,22 +67,23 @@
 // gets ErrNotRetained (the caller asks etcd) and EventsFrom below the new
 // history start too (the caller catches up from etcd). The newest snapshot
 // always stays. The flattened-range cache takes at most half the budget,
-// and never keeps a dropped snapshot's tree alive.
+// and never keeps a dropped snapshot's key-values alive.
 //
 // Unload drops the keyspace and the history before a reload reads the
 // keyspace again, so that a reload never holds two stores.
 //
 // # Concurrency
 //
-// Every method is safe for concurrent use. Apply, Reset and Unload change
-// latest and are serialised by a write lock, so they apply whole revisions
-// one at a time. Advance, Compact and SetMaxHistoryBytes change only the
-// published state (the store's revision, the compaction revision, the
-// snapshot index) under the store's lock, so the follower, the compaction
-// probe and forwarded Compact calls may call them concurrently with Apply.
-// Range, View and the accessors only ever touch published, immutable
-// snapshots (but for the newest snapshot's own tree, which View reads and
-// Apply clears under the store's lock; a View keeps the tree it took); a
-// Range that flattens a range takes the cache's own lock, and then the
-// store's to keep history within the budget.
+// Every method is safe for concurrent use. Apply, Reset, Unload and the
+// drops of Compact and the budget change the index and are serialised by a
+// write lock, so they apply whole revisions one at a time; the published
+// state (the store's revision, the compaction revision, the snapshot index,
+// the published key index) changes under the store's lock. Range, View and
+// the accessors never wait for a writer beyond that lock: a View holds the
+// key index published when it was taken, whose histories only ever gain
+// versions above the view's revision (keyindex.go), and the prune gives a
+// key a new history rather than change one a view may read, so a view
+// stays readable for as long as it is held. A Range that flattens a range
+// takes the cache's own lock, and then the write lock to keep history
+// within the budget.
 package revtree

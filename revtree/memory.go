@@ -1,10 +1,7 @@
 package revtree
 
 import (
-	"math"
 	"unsafe"
-
-	"github.com/google/btree"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 )
@@ -12,7 +9,7 @@ import (
 // Memory estimates.
 //
 // The store counts its memory as it goes, with a deterministic estimate of
-// every object it keeps: no runtime.MemStats, no walk of the trees. Each
+// every object it keeps: no runtime.MemStats, no walk of the index. Each
 // estimate is the object's size rounded up to the Go allocator's size class
 // (sizeClass), which is what the heap really spends on it.
 //
@@ -24,40 +21,35 @@ import (
 //     separate allocation (kvBytes).
 //   - An Event: the struct (64 bytes), plus its slot in the events slice of
 //     the watch response (8 bytes). A delete's Kv is a tombstone KeyValue
-//     of its own (a key, no value); a put's Kv is the live KeyValue.
-//   - A B-tree node (github.com/google/btree): the node struct (56 bytes,
-//     class 64), its items array and, for an inner node, its children
-//     array. Arrays grow by append, so a node of degree d holds capacity
-//     for 2d-1 items and 2d children rounded up to a power of two (16 and
-//     16 at degree 8: 128 bytes each). A copy-on-write copy keeps the
-//     capacity of the node it copies.
-//   - Tree shape: a load inserts keys in order, which leaves every node
-//     half full, d-1 items, and every inner node with d children; the
-//     root holds what is left. shape.levels computes the levels for n
-//     items from that. Trees grown by random inserts are fuller (about 0.7
-//     of 2d-1 items per node) and a little shallower.
-//   - A write to the working tree after a checkpoint's Clone copies the
-//     nodes from the root down to the one that holds its key; the writes
-//     of one window between checkpoints share the nodes they pass, each
-//     copied once (shape.copied of the window's writes so far, and of
-//     them plus this revision's: the difference is this revision's). The
-//     head's clone, which every revision takes and the next one clears,
-//     makes the next writes copy their paths again, but those copies are
-//     garbage once it is cleared: only the checkpoints keep nodes.
-//   - A snapshot: the snapshot struct, its slot in the index of snapshots,
-//     and the copy-on-write context the working tree takes at each Clone,
-//     which the nodes it copies keep. A checkpoint adds its tree: the
-//     cloned BTreeG header and its own copy-on-write context.
+//     of its own (a key, no value); a put's Kv is the stored KeyValue.
+//   - A key's history (keyindex.go): the keyHistory (its key is a
+//     KeyValue's), its versions header and its array of 16-byte versions,
+//     whose capacity doubles as it fills (keyHistoryBytes).
+//   - The index's B-tree (github.com/google/btree): each node is the node
+//     struct (56 bytes, class 64), its items array and, for an inner node,
+//     its children array. Arrays grow by append, so a node of degree d
+//     holds capacity for 2d-1 items and 2d children rounded up to a power
+//     of two (16 and 16 at degree 8: 128 bytes each). A load inserts keys
+//     in order, which leaves every node half full, d-1 items, and every
+//     inner node with d children; the root holds what is left.
+//     shape.levels computes the levels for n items from that. Trees grown
+//     by random inserts are fuller (about 0.7 of 2d-1 items per node) and
+//     a little shallower. A revision that inserts or removes a key copies
+//     the nodes on its path while a view shares them: garbage once no
+//     view holds the old tree, so not counted.
+//   - A snapshot: the snapshot struct and its slot in the index of
+//     snapshots.
 //
-// What a retained revision costs (its snapshot's bytes): the snapshot, its
-// share of its window's copied nodes, its events, and the KeyValues it
-// displaced (a put's or delete's previous KeyValue, which from then on
-// only history holds). Dropping the oldest snapshots frees about that
-// much per snapshot: their events, the KeyValues they hold as PrevKv, and
-// the nodes only their checkpoint still shares (the old versions of the
-// nodes the next window copied, charged to that window: the two differ by
-// one window's copies in the whole history), once the window's last
-// snapshot goes (doc.go).
+// The live keyspace is its KeyValues, one history of one version per live
+// key and the index's tree of the live keys. History is the rest: what
+// each retained revision added (its snapshot, its events and the
+// KeyValues it displaced, a put's or delete's previous one, which from
+// then on only history holds), the versions and deleted keys the index
+// keeps for it, the KeyValues dropped snapshots left to the next prune,
+// and the flattened-range cache. Dropping the oldest snapshot frees its
+// snapshot and events at once; the KeyValues it displaced, and the
+// versions that held them, once the index is next pruned (Store.trimLocked:
+// after a sixteenth of history, so the estimate counts them until then).
 //
 // TestMemoryEstimate checks these estimates against the live heap
 // (runtime.MemStats.HeapAlloc after a GC) for several degrees, value sizes
@@ -111,11 +103,23 @@ var (
 	eventBytes       = sizeClass(int64(unsafe.Sizeof(mvccpb.Event{}))) + 8 // + its slot in the events slice
 	nodeStructBytes  = sizeClass(2*24 + 8)                                 // items, children (slices), cow (pointer)
 	snapshotOverhead = sizeClass(int64(unsafe.Sizeof(snapshot{}))) +
-		sizeClass(16) + // the working tree's new copy-on-write context (a freelist pointer and a less func), kept by the nodes it copies
 		20 // the slot in the snapshot index: a degree-32 B-tree of pointers, appended in order, so half-full nodes
-	checkpointOverhead = sizeClass(int64(unsafe.Sizeof(btree.BTreeG[*mvccpb.KeyValue]{}))) +
-		sizeClass(16) // the kept clone's header and its copy-on-write context
+	keyHistoryStructBytes = sizeClass(int64(unsafe.Sizeof(keyHistory{}))) + sizeClass(int64(unsafe.Sizeof(versions{})))
+	// pendingKeyBytes is a dropped event's key left to the next prune
+	// (a slice header; the key is the event's).
+	pendingKeyBytes = int64(unsafe.Sizeof([]byte(nil)))
 )
+
+// versionArrayBytes is the heap an array of capacity versions takes.
+func versionArrayBytes(capacity int) int64 {
+	return sizeClass(int64(capacity) * int64(unsafe.Sizeof(version{})))
+}
+
+// keyHistoryBytes estimates a key's history with an array of capacity
+// versions.
+func keyHistoryBytes(capacity int) int64 {
+	return keyHistoryStructBytes + versionArrayBytes(capacity)
+}
 
 // kvBytes estimates a decoded KeyValue's memory (a delete's tombstone):
 // the struct, its key and value.
@@ -196,35 +200,4 @@ func (sh shape) tree(n int) int64 {
 		all += int64(l.nodes) * l.bytes
 	}
 	return all
-}
-
-// copied estimates the nodes that k writes of random keys copy in a tree
-// of n items after a Clone (k: all the writes of a window so far). A write copies the nodes from the root down to
-// the node that holds its key: a level is reached by the share of the
-// items it and the levels below hold. k writes that reach a level of N
-// nodes copy N(1-(1-1/N)^k) of them, the expected number of distinct
-// nodes among k random picks. Writes to neighbouring keys (a DeleteRange,
-// a Txn over one prefix) share more nodes, so for them this errs high,
-// never beyond a copy of the whole tree.
-func (sh shape) copied(n, k int) int64 {
-	if n == 0 || k == 0 {
-		return 0
-	}
-	var buf [64]level
-	lv := sh.levels(n, &buf)
-	var out float64
-	below := float64(n) // items in this level and the ones below it
-	for i := len(lv) - 1; i >= 0; i-- {
-		l := lv[i]
-		writes := float64(k) * below / float64(n)
-		nodes := float64(l.nodes)
-		if l.nodes > 1 {
-			nodes *= 1 - math.Pow(1-1/nodes, writes)
-		} else {
-			nodes = min(writes, 1)
-		}
-		out += nodes * float64(l.bytes)
-		below -= float64(l.items)
-	}
-	return int64(out)
 }

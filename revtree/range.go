@@ -127,23 +127,10 @@ func (v View) count(key, rangeEnd []byte) int64 {
 		}
 	}
 	var n int64
-	v.ascendTree(key, end, func(*mvccpb.KeyValue) bool {
+	v.Ascend(key, end, func(*mvccpb.KeyValue) bool {
 		n++
 		return true
 	})
-	if v.overlay {
-		// Each overlaid key adds one if it is absent from the tree and
-		// present at the view's revision, takes one away if the reverse.
-		for _, e := range v.overlayRange(key, end) {
-			_, had := v.kvs.Get(&mvccpb.KeyValue{Key: e.key})
-			switch {
-			case e.kv != nil && !had:
-				n++
-			case e.kv == nil && had:
-				n--
-			}
-		}
-	}
 	return n
 }
 
@@ -204,62 +191,44 @@ func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, in
 	return kvs, n
 }
 
-// scan returns every key-value of [key, end): the tree's, with the
-// overlaid keys' states merged in afterwards by binary search, which costs
-// a copy of the slice instead of a key comparison per key-value.
+// scan returns every key-value of [key, end).
 func (v View) scan(key, end []byte, sizeHint int) []*mvccpb.KeyValue {
 	kvs := make([]*mvccpb.KeyValue, 0, sizeHint)
-	if len(end) > 0 && bytes.Compare(key, end) >= 0 {
-		return kvs
-	}
-	v.ascendTree(key, end, func(kv *mvccpb.KeyValue) bool {
+	v.Ascend(key, end, func(kv *mvccpb.KeyValue) bool {
 		kvs = append(kvs, kv)
 		return true
 	})
-	if v.overlay {
-		if ov := v.overlayRange(key, end); len(ov) > 0 {
-			kvs = mergeOverlay(kvs, ov)
-		}
-	}
 	return kvs
 }
 
-// mergeOverlay returns the key-ordered base with each overlaid key's
-// state in place of the base's: replaced, inserted or removed. When every
-// overlaid key replaces one of the base (updates, the common case), base
-// is updated in place.
-func mergeOverlay(base []*mvccpb.KeyValue, ov []overlayEntry) []*mvccpb.KeyValue {
-	pos := make([]int, len(ov)) // where each overlaid key is or would be in base
-	replaceOnly := true
-	for t, e := range ov {
-		from := 0
-		if t > 0 {
-			from = pos[t-1]
-		}
-		pos[t] = from + sort.Search(len(base)-from, func(k int) bool { return bytes.Compare(base[from+k].Key, e.key) >= 0 })
-		if found := pos[t] < len(base) && bytes.Equal(base[pos[t]].Key, e.key); !found || e.kv == nil {
-			replaceOnly = false
-		}
+// Get returns the key-value of key in the view, if it exists.
+func (v View) Get(key []byte) (*mvccpb.KeyValue, bool) {
+	h, ok := v.index.Get(&keyHistory{key: key})
+	if !ok {
+		return nil, false
 	}
-	if replaceOnly {
-		for t, e := range ov {
-			base[pos[t]] = e.kv
+	kv := h.at(v.snap.rev)
+	return kv, kv != nil
+}
+
+// Ascend calls fn for every key-value in [key, end) in key order until fn
+// returns false. An empty end means no upper bound.
+func (v View) Ascend(key, end []byte, fn func(*mvccpb.KeyValue) bool) {
+	rev := v.snap.rev
+	each := func(h *keyHistory) bool {
+		if kv := h.at(rev); kv != nil {
+			return fn(kv)
 		}
-		return base
+		return true
 	}
-	out := make([]*mvccpb.KeyValue, 0, len(base)+len(ov))
-	i := 0
-	for t, e := range ov {
-		out = append(out, base[i:pos[t]]...)
-		i = pos[t]
-		if i < len(base) && bytes.Equal(base[i].Key, e.key) {
-			i++
-		}
-		if e.kv != nil {
-			out = append(out, e.kv)
-		}
+	if len(end) == 0 {
+		v.index.AscendGreaterOrEqual(&keyHistory{key: key}, each)
+		return
 	}
-	return append(out, base[i:]...)
+	if bytes.Compare(key, end) >= 0 {
+		return
+	}
+	v.index.AscendRange(&keyHistory{key: key}, &keyHistory{key: end}, each)
 }
 
 func filterKVs(kvs []*mvccpb.KeyValue, r *pb.RangeRequest) []*mvccpb.KeyValue {

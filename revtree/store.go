@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"slices"
+	"sort"
 	"sync"
 
 	"github.com/google/btree"
@@ -11,32 +13,17 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 )
 
-// DefaultDegree is the B-tree degree of the key trees. It was chosen with
-// BenchmarkRetainedRevisionBytes: lower degrees copy smaller nodes per
-// revision but make deeper trees and slower scans; see docs/architecture.md.
-const DefaultDegree = 8
-
-// DefaultCheckpointInterval is how many revisions apart the store keeps a
-// tree of the keyspace (a checkpoint); the revisions between two
-// checkpoints are read from the older one overlaid with their events. It
-// was chosen with BenchmarkRetainedRevisionBytesByInterval and
-// BenchmarkRangePastByInterval: memory per retained revision falls by only
-// about 100 bytes per doubling past 16 (the writes of a window land on
-// distinct leaves and distinct lower inner nodes, so each still copies
-// about a leaf and an inner node), while a read at a revision between
-// checkpoints merges up to DefaultCheckpointInterval-1 revisions of events.
-const DefaultCheckpointInterval = 64
-
-// maxOverlayEvents bounds the events a read overlays on a checkpoint,
-// whatever the interval: a revision with many events (a DeleteRange, a
-// big Txn) closes its window early with a checkpoint.
-const maxOverlayEvents = 256
+// DefaultDegree is the B-tree degree of the key index. Memory per retained
+// revision does not depend on it; a 10,000-key scan takes about a quarter
+// less time than at 8 (BenchmarkRangePast), and the live keyspace a few
+// bytes less per key. A revision that creates or removes a key copies
+// larger nodes, which are garbage at once; see docs/architecture.md.
+const DefaultDegree = 32
 
 // DefaultMaxHistoryBytes is the default history budget (--max-history-bytes):
-// 256 MiB, about 215,000 revisions of single-key writes over 100,000 keys
-// at degree 8 and the default checkpoint interval (1.25 KB each with
-// 64-byte values, BenchmarkRetainedRevisionBytes). See docs/architecture.md
-// for why a 2-core, 4 GiB node survives it.
+// 256 MiB, about 600,000 revisions of single-key writes of 100-byte
+// values (about 440 bytes each, BenchmarkRetainedRevisionBytes). See
+// docs/architecture.md for why a 2-core, 4 GiB node survives it.
 const DefaultMaxHistoryBytes = 256 << 20
 
 var (
@@ -54,126 +41,100 @@ var (
 	ErrInconsistent = errors.New("revtree: events are inconsistent with the store")
 )
 
-// Store is an MVCC key-value store with one snapshot per retained
-// revision, a tree of the keyspace every few (see DefaultCheckpointInterval).
-// The zero value is not usable; call New.
+// Store is an MVCC key-value store that retains every revision from its
+// oldest snapshot on: a key index with each key's versions (keyindex.go)
+// and one snapshot per revision with its events. The zero value is not
+// usable; call New.
 //
 // Lock order: writeMu, then mu, then flat.mu.
 type Store struct {
 	degree int
-	shape  shape // the memory estimate of the key trees
+	shape  shape // the memory estimate of the key index's tree
 
-	// writeMu serialises writers.
+	// writeMu serialises the writers: Apply, Reset, Unload, and the
+	// history drops of Compact and the budget, which prune the index.
 	writeMu sync.Mutex
 	// Guarded by writeMu.
-	latest *btree.BTreeG[*mvccpb.KeyValue]
-	// newest is the newest snapshot: the one the next revision's
-	// snapshot links back to (nil before Reset, after Unload).
-	newest *snapshot
-	// window counts what was applied since the newest checkpoint.
-	window struct{ revs, events int }
-	// checkpointEvery is the checkpoint interval (SetCheckpointInterval).
-	checkpointEvery int
+	index *btree.BTreeG[*keyHistory] // the writer's; readers get clones
+	// indexChanged: a key was inserted, removed or given a new history
+	// since the index was last published.
+	indexChanged bool
 
 	mu sync.RWMutex
 	// Guarded by mu: the published state.
 	snapshots  *btree.BTreeG[*snapshot] // ordered by rev
-	rev        int64                    // store is complete up to rev
+	published  *btree.BTreeG[*keyHistory]
+	rev        int64 // store is complete up to rev
 	compactRev int64
 	loaded     bool
-	// liveBytes estimates the KeyValues of the newest snapshot, liveKeys
-	// counts them; historyBytes is the sum of the retained snapshots'
-	// bytes: what history adds to the live keyspace (see memory.go).
-	liveBytes, historyBytes int64
-	liveKeys                int
-	// maxHistoryBytes bounds historyBytes plus the flattened ranges'
-	// bytes (0: no bound); trimmed counts the snapshots dropped to keep
-	// within it.
+	// liveBytes estimates the KeyValues of the newest revision, liveKeys
+	// counts them; indexKeys counts the index's keys (live, and deleted
+	// ones history still reaches) and indexBytes their histories;
+	// historyBytes is the sum of the retained snapshots' bytes (see
+	// memory.go).
+	liveBytes, historyBytes, indexBytes int64
+	liveKeys, indexKeys                 int
+	// maxHistoryBytes bounds HistoryBytes (0: no bound); trimmed counts
+	// the snapshots dropped to keep within it.
 	maxHistoryBytes int64
 	trimmed         int64
 	// gen counts the Resets and Unloads: a View's generation tells the
 	// flattened-range cache whether its snapshot can still be the store's.
 	gen uint64
+	// Guarded by writeMu and mu: the keys of the events of dropped
+	// snapshots, whose versions before the oldest snapshot's the next
+	// prune removes, and the bytes of the KeyValues it will free.
+	pendingKeys  [][]byte
+	pendingBytes int64
 
 	flat flatRanges // pages of recent paginated reads; its own lock
 }
 
-// snapshot is one retained revision: the events that produced it and how
-// to read the keyspace as of rev. A checkpoint (prev == nil) holds its own
-// tree; any other snapshot is read from the checkpoint its prev links
-// lead to, overlaid with the events of the snapshots on the way
-// (overlay.go). The newest snapshot also holds a tree of its own while it
-// is the newest, so that reads at the head merge nothing.
+// snapshot is one retained revision: the events that produced it. The
+// keyspace at rev is read from the key index (each key's newest version at
+// or below rev).
 type snapshot struct {
 	rev    int64
 	events []*mvccpb.Event // nil for the snapshot of a load
-	bytes  int64           // estimated memory this revision added
-	// prev is the snapshot of the revision applied before this one; nil
-	// for a checkpoint. Immutable: a snapshot dropped from the store
-	// stays reachable through it while later ones of its window are.
-	prev *snapshot
-	// kvs is the keyspace at rev. For a checkpoint: immutable, never nil.
-	// For any other snapshot: guarded by Store.mu; set while the snapshot
-	// is the newest, cleared when the next revision is applied, since its
-	// tree would keep a copied path per revision alive.
-	kvs *btree.BTreeG[*mvccpb.KeyValue]
+	bytes  int64           // estimated memory this revision added to history
+	// displaced is the part of bytes that the KeyValues this revision
+	// replaced or deleted take: their versions hold them until the
+	// prune after the snapshot is dropped.
+	displaced int64
 }
-
-// checkpoint returns the checkpoint s is read from: s itself or the
-// nearest one before it.
-func (s *snapshot) checkpoint() *snapshot {
-	for s.prev != nil {
-		s = s.prev
-	}
-	return s
-}
-
-func kvLess(a, b *mvccpb.KeyValue) bool { return bytes.Compare(a.Key, b.Key) < 0 }
 
 func snapshotLess(a, b *snapshot) bool { return a.rev < b.rev }
 
-// New returns an empty, unloaded store whose key trees have the given B-tree
+// New returns an empty, unloaded store whose key index has the given B-tree
 // degree (DefaultDegree if degree < 2).
 func New(degree int) *Store {
 	if degree < 2 {
 		degree = DefaultDegree
 	}
 	s := &Store{
-		degree:          degree,
-		shape:           newShape(degree),
-		latest:          btree.NewG(degree, kvLess),
-		checkpointEvery: DefaultCheckpointInterval,
-		snapshots:       btree.NewG(32, snapshotLess),
+		degree:    degree,
+		shape:     newShape(degree),
+		index:     btree.NewG(degree, keyHistoryLess),
+		snapshots: btree.NewG(32, snapshotLess),
 	}
+	s.published = s.index.Clone()
 	s.flat.limit = maxFlatBytes
 	s.flat.onGrow = s.enforceBudget
 	s.flat.minKVs = defaultMinFlatKVs
 	return s
 }
 
-// SetCheckpointInterval sets how many revisions apart the store keeps a
-// tree of the keyspace (DefaultCheckpointInterval if every < 1); 1 keeps
-// one per revision. It takes effect from the next revision applied: a
-// larger interval costs less memory per retained revision, and more work
-// per read of a revision between checkpoints.
-func (s *Store) SetCheckpointInterval(every int) {
-	s.writeMu.Lock()
-	defer s.writeMu.Unlock()
-	if every < 1 {
-		every = DefaultCheckpointInterval
-	}
-	s.checkpointEvery = every
-}
-
 // SetMaxHistoryBytes bounds the memory retained history may use on top of
-// the live keyspace: the snapshots of past revisions, their events, and
-// the flattened-range cache (which may take up to half of it). When the
-// bound is passed, the oldest snapshots are dropped, as Compact drops
+// the live keyspace: the past revisions' KeyValues, versions and events,
+// and the flattened-range cache (which may take up to half of it). When
+// the bound is passed, the oldest snapshots are dropped, as Compact drops
 // them, but the compaction revision stays: reads below the new oldest
 // snapshot get ErrNotRetained (etcd still answers them), and EventsFrom
 // below the new history start too. The newest snapshot always stays.
 // max <= 0 removes the bound.
 func (s *Store) SetMaxHistoryBytes(max int64) {
+	s.writeMu.Lock()
+	defer s.writeMu.Unlock()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.maxHistoryBytes = 0
@@ -189,58 +150,150 @@ func (s *Store) SetMaxHistoryBytes(max int64) {
 // enforceBudget drops the oldest snapshots while history is over the
 // budget.
 func (s *Store) enforceBudget() {
+	s.writeMu.Lock()
+	defer s.writeMu.Unlock()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.trimLocked()
 }
 
+// historyBytesLocked is what history adds to the live keyspace: the
+// retained snapshots, the KeyValues the next prune frees, the index's
+// versions and keys beyond one live version per live key, and the
+// flattened ranges.
+func (s *Store) historyBytesLocked() int64 {
+	return s.historyBytes + s.pendingBytes +
+		s.indexBytes - int64(s.liveKeys)*keyHistoryBytes(1) +
+		s.shape.tree(s.indexKeys) - s.shape.tree(s.liveKeys) +
+		s.flat.size()
+}
+
+// pruneThreshold is the KeyValues dropped snapshots leave to the prune
+// before it runs: a sixteenth of history, so that a key written by
+// every revision has its versions copied about 16 times over its life
+// in history rather than once per dropped revision.
+func (s *Store) pruneThreshold() int64 { return s.historyBytes/16 + 4096 }
+
 // trimLocked drops the oldest snapshots, never the newest, while history
-// and the flattened ranges use more than maxHistoryBytes.
+// uses more than maxHistoryBytes, and prunes the index when the dropped
+// snapshots left enough to it. writeMu and mu are held.
 func (s *Store) trimLocked() {
-	if s.maxHistoryBytes <= 0 {
-		return
-	}
-	for s.snapshots.Len() > 1 && s.historyBytes+s.flat.size() > s.maxHistoryBytes {
+	for s.maxHistoryBytes > 0 && s.historyBytesLocked() > s.maxHistoryBytes {
+		if s.pendingBytes > 0 && (s.pendingBytes >= s.pruneThreshold() || s.snapshots.Len() <= 1) {
+			s.pruneLocked()
+			continue
+		}
+		if s.snapshots.Len() <= 1 {
+			break
+		}
 		s.dropOldestLocked()
 		s.trimmed++
+	}
+	if s.pendingBytes >= s.pruneThreshold() {
+		s.pruneLocked()
 	}
 }
 
 // dropOldestLocked drops the oldest snapshot, and the flattened ranges of
-// it.
+// it. Its events' keys are left to the next prune. writeMu and mu are
+// held.
 func (s *Store) dropOldestLocked() {
 	oldest, _ := s.snapshots.DeleteMin()
 	s.historyBytes -= oldest.bytes
+	s.pendingBytes += oldest.displaced
+	for _, ev := range oldest.events {
+		s.pendingKeys = append(s.pendingKeys, ev.Kv.Key)
+		s.pendingBytes += pendingKeyBytes
+	}
 	next, _ := s.snapshots.Min()
 	s.flat.dropBelow(s.gen, next.rev)
 }
 
+// pruneLocked removes from the index the versions no retained revision
+// can read: of each key a dropped snapshot's events touched, every version
+// before its newest at or below the oldest snapshot's revision, that one
+// too if it is a delete, and the key itself if nothing is left. A key
+// whose versions change gets a new history (keyindex.go), so that views
+// taken before keep reading the old one. writeMu and mu are held.
+func (s *Store) pruneLocked() {
+	oldest, ok := s.snapshots.Min()
+	if !ok {
+		return
+	}
+	keys := s.pendingKeys
+	slices.SortFunc(keys, bytes.Compare)
+	keys = slices.CompactFunc(keys, bytes.Equal)
+	pivot := &keyHistory{}
+	for _, key := range keys {
+		pivot.key = key
+		h, ok := s.index.Get(pivot)
+		if !ok {
+			continue
+		}
+		vs := h.published()
+		keep := vs[max(sort.Search(len(vs), func(i int) bool { return vs[i].rev > oldest.rev })-1, 0):]
+		if keep[0].kv == nil && keep[0].rev <= oldest.rev {
+			keep = keep[1:] // deleted at the oldest revision: absent until its next version
+		}
+		if len(keep) == len(vs) {
+			continue
+		}
+		s.indexBytes -= keyHistoryBytes(len(h.list.Load().v))
+		s.indexChanged = true
+		if len(keep) == 0 {
+			s.index.Delete(h)
+			s.indexKeys--
+			continue
+		}
+		nh := newKeyHistory(keep, versionCap(len(keep)))
+		s.index.ReplaceOrInsert(nh)
+		s.indexBytes += keyHistoryBytes(len(nh.list.Load().v))
+	}
+	s.pendingKeys, s.pendingBytes = nil, 0
+	s.publishLocked()
+}
+
+// publishLocked makes the writer's index the one new views read, if it
+// changed. writeMu and mu are held.
+func (s *Store) publishLocked() {
+	if s.indexChanged {
+		s.published = s.index.Clone()
+		s.indexChanged = false
+	}
+}
+
 // Reset replaces the whole store with kvs as the keyspace at rev, discarding
-// every snapshot. The store keeps copies of kvs (entry.go). compactRev is etcd's compaction revision as known to the
-// caller; it never moves the store's compaction revision backwards.
+// every snapshot. The store keeps copies of kvs (entry.go). compactRev is
+// etcd's compaction revision as known to the caller; it never moves the
+// store's compaction revision backwards.
 func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	latest := btree.NewG(s.degree, kvLess)
-	var live int64
+	index := btree.NewG(s.degree, keyHistoryLess)
+	var live, indexBytes int64
 	for _, kv := range kvs {
 		kv = newEntry(kv)
-		latest.ReplaceOrInsert(kv)
+		if old, replaced := index.ReplaceOrInsert(newKeyHistory([]version{{rev: kv.ModRevision, kv: kv}}, 1)); replaced {
+			live -= storedBytes(old.latest())
+			indexBytes -= keyHistoryBytes(1)
+		}
 		live += storedBytes(kv)
+		indexBytes += keyHistoryBytes(1)
 	}
-	s.latest = latest
-	s.newest = &snapshot{rev: rev, kvs: latest.Clone()}
-	s.window.revs, s.window.events = 0, 0
+	s.index, s.indexChanged = index, true
 	snaps := btree.NewG(32, snapshotLess)
-	snaps.ReplaceOrInsert(s.newest)
+	snaps.ReplaceOrInsert(&snapshot{rev: rev})
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.publishLocked()
 	s.snapshots = snaps
 	s.rev = rev
 	s.compactRev = max(s.compactRev, compactRev)
 	s.loaded = true
-	s.liveBytes, s.historyBytes, s.liveKeys = live, 0, latest.Len()
+	s.liveBytes, s.historyBytes, s.indexBytes = live, 0, indexBytes
+	s.liveKeys, s.indexKeys = index.Len(), index.Len()
+	s.pendingKeys, s.pendingBytes = nil, 0
 	s.gen++
 	s.flat.dropBelow(s.gen, rev)
 }
@@ -253,14 +306,15 @@ func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
 func (s *Store) Unload() {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	s.latest = btree.NewG(s.degree, kvLess)
-	s.newest = nil
-	s.window.revs, s.window.events = 0, 0
+	s.index, s.indexChanged = btree.NewG(s.degree, keyHistoryLess), true
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.publishLocked()
 	s.snapshots = btree.NewG(32, snapshotLess)
 	s.loaded = false
-	s.liveBytes, s.historyBytes, s.liveKeys = 0, 0, 0
+	s.liveBytes, s.historyBytes, s.indexBytes = 0, 0, 0
+	s.liveKeys, s.indexKeys = 0, 0
+	s.pendingKeys, s.pendingBytes = nil, 0
 	s.gen++
 	s.flat.dropBelow(s.gen, 0)
 }
@@ -278,58 +332,58 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 	if err := s.checkEvents(rev, events); err != nil {
 		return nil, err
 	}
-	// What this revision adds to history (memory.go): its snapshot, the
-	// nodes its writes copy that the window's earlier writes did not,
-	// its events, and the KeyValues it displaces.
-	n, w := s.latest.Len(), s.window.events
-	live, added := int64(0), snapshotOverhead+s.shape.copied(n, w+len(events))-s.shape.copied(n, w)
-	s.window.revs++
-	s.window.events += len(events)
-	checkpoint := s.window.revs >= s.checkpointEvery || s.window.events >= maxOverlayEvents
-	if checkpoint {
-		added += checkpointOverhead
-		s.window.revs, s.window.events = 0, 0
-	}
+	// What this revision adds to history (memory.go): its snapshot, its
+	// events and the KeyValues it displaces; and to the index, its
+	// versions and new keys.
+	snap := &snapshot{rev: rev, events: events, bytes: snapshotOverhead}
+	var live, indexBytes int64
+	var liveKeys, indexKeys int
+	pivot := &keyHistory{}
 	for _, ev := range events {
-		prev, _ := s.latest.Get(ev.Kv)
+		pivot.key = ev.Kv.Key
+		h, _ := s.index.Get(pivot)
+		var prev *mvccpb.KeyValue
+		if h != nil {
+			prev = h.latest()
+		}
 		ev.PrevKv = prev
-		added += eventBytes
+		snap.bytes += eventBytes
 		if prev != nil {
 			live -= storedBytes(prev)
-			added += storedBytes(prev)
+			snap.displaced += storedBytes(prev)
+			liveKeys--
 		}
+		var kv *mvccpb.KeyValue
 		switch ev.Type {
 		case mvccpb.PUT:
-			ev.Kv = newEntry(ev.Kv)
-			s.latest.ReplaceOrInsert(ev.Kv)
-			live += storedBytes(ev.Kv)
+			kv = newEntry(ev.Kv)
+			ev.Kv = kv
+			live += storedBytes(kv)
+			liveKeys++
 		case mvccpb.DELETE:
-			s.latest.Delete(ev.Kv)
-			added += kvBytes(ev.Kv) // the tombstone
+			snap.bytes += kvBytes(ev.Kv) // the tombstone
 		}
+		if h == nil {
+			s.index.ReplaceOrInsert(newKeyHistory([]version{{rev: rev, kv: kv}}, 1))
+			s.indexChanged = true
+			indexBytes += keyHistoryBytes(1)
+			indexKeys++
+			continue
+		}
+		indexBytes += h.add(version{rev: rev, kv: kv})
 	}
-	// The head's tree: the newest snapshot's until the next revision,
-	// and for good if this revision closes the window (a checkpoint).
-	// Between checkpoints, the copies the next write makes of the nodes
-	// this clone shares are garbage once it is cleared: only the nodes
-	// the window's writes touch are copied for the checkpoint.
-	snap := &snapshot{rev: rev, events: events, bytes: added, kvs: s.latest.Clone()}
-	if !checkpoint {
-		snap.prev = s.newest
-	}
-	replaced := s.newest
-	s.newest = snap
+	snap.bytes += snap.displaced
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if replaced.prev != nil {
-		replaced.kvs = nil
-	}
+	s.publishLocked()
 	s.snapshots.ReplaceOrInsert(snap)
 	s.rev = rev
 	s.liveBytes += live
-	s.liveKeys = s.latest.Len()
-	s.historyBytes += added
+	s.liveKeys += liveKeys
+	s.indexKeys += indexKeys
+	s.indexBytes += indexBytes
+	s.historyBytes += snap.bytes
 	s.trimLocked()
 	return events, nil
 }
@@ -342,13 +396,17 @@ func (s *Store) checkEvents(rev int64, events []*mvccpb.Event) error {
 		return fmt.Errorf("%w: revision %d has no events", ErrInconsistent, rev)
 	}
 	var touched map[string]*mvccpb.KeyValue // key -> state after this Txn's earlier ops; nil value = deleted
+	pivot := &keyHistory{}
 	for _, ev := range events {
 		if ev.Kv == nil || ev.Kv.ModRevision != rev {
 			return fmt.Errorf("%w: event of revision %d applied as %d", ErrInconsistent, modRev(ev), rev)
 		}
 		prev, seen := touched[string(ev.Kv.Key)]
 		if !seen {
-			prev, _ = s.latest.Get(ev.Kv)
+			pivot.key = ev.Kv.Key
+			if h, ok := s.index.Get(pivot); ok {
+				prev = h.latest()
+			}
 		}
 		switch ev.Type {
 		case mvccpb.PUT:
@@ -398,9 +456,11 @@ func (s *Store) Advance(rev int64) {
 }
 
 // Compact records etcd's compaction at rev and drops the snapshots no read
-// at rev or later can use. Compacting at or below the current compaction
-// revision does nothing.
+// at rev or later can use, and the versions only they could read.
+// Compacting at or below the current compaction revision does nothing.
 func (s *Store) Compact(rev int64) {
+	s.writeMu.Lock()
+	defer s.writeMu.Unlock()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if rev <= s.compactRev {
@@ -414,9 +474,12 @@ func (s *Store) Compact(rev int64) {
 	for {
 		oldest, ok := s.snapshots.Min()
 		if !ok || oldest.rev >= floor.rev {
-			return
+			break
 		}
 		s.dropOldestLocked()
+	}
+	if s.pendingBytes > 0 {
+		s.pruneLocked()
 	}
 }
 
@@ -464,21 +527,23 @@ func (s *Store) OldestRev() int64 {
 }
 
 // ApproxBytes estimates the memory of the store: the keyspace at its newest
-// revision (its KeyValues and tree) plus HistoryBytes.
+// revision (its KeyValues, one version of each and the index's tree) plus
+// HistoryBytes.
 func (s *Store) ApproxBytes() int64 {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return s.liveBytes + s.shape.tree(s.liveKeys) + s.historyBytes + s.flat.size()
+	return s.liveBytes + int64(s.liveKeys)*keyHistoryBytes(1) + s.shape.tree(s.liveKeys) + s.historyBytesLocked()
 }
 
 // HistoryBytes estimates the memory retained history uses on top of the
-// live keyspace: what each retained revision adds (its snapshot, the tree
-// nodes its writes copied, its events, the KeyValues it displaced) and the
-// flattened-range cache. SetMaxHistoryBytes bounds it.
+// live keyspace: what each retained revision adds (its snapshot, its
+// events, the KeyValues it displaced, its versions, the deleted keys the
+// index keeps for it) and the flattened-range cache. SetMaxHistoryBytes
+// bounds it.
 func (s *Store) HistoryBytes() int64 {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return s.historyBytes + s.flat.size()
+	return s.historyBytesLocked()
 }
 
 // MaxHistoryBytes is the bound on HistoryBytes; 0 if none.
@@ -503,7 +568,8 @@ func (s *Store) Snapshots() int {
 	return s.snapshots.Len()
 }
 
-// View is an immutable keyspace at one revision.
+// View is an immutable keyspace at one revision. It stays readable however
+// long it is held, even after its revision is dropped from the store.
 type View struct {
 	// Rev is the revision the view was asked for (resolved from 0).
 	Rev int64
@@ -512,12 +578,10 @@ type View struct {
 	StoreRev int64
 	snap     *snapshot // the snapshot read: the floor of Rev
 	gen      uint64    // the store's generation when the view was taken
-	// kvs is the tree read: snap's own, or its checkpoint's, in which
-	// case the events of the snapshots from snap back to (not
-	// including) the checkpoint are overlaid on it.
-	kvs     *btree.BTreeG[*mvccpb.KeyValue]
-	overlay bool
-	flat    *flatRanges
+	// index is the key index published when the view was taken: every
+	// key with a version at snap.rev is in it (keyindex.go).
+	index *btree.BTreeG[*keyHistory]
+	flat  *flatRanges
 }
 
 // View returns the keyspace at rev (0 means the store's revision), with
@@ -543,13 +607,7 @@ func (s *Store) View(rev int64) (View, error) {
 	if floor == nil {
 		return View{}, ErrNotRetained
 	}
-	v := View{Rev: rev, StoreRev: s.rev, snap: floor, gen: s.gen, kvs: floor.kvs, flat: &s.flat}
-	if v.kvs == nil {
-		// Outside the lock the walk would do too (prev and checkpoint
-		// trees are immutable), but it is at most one window long.
-		v.kvs, v.overlay = floor.checkpoint().kvs, true
-	}
-	return v, nil
+	return View{Rev: rev, StoreRev: s.rev, snap: floor, gen: s.gen, index: s.published, flat: &s.flat}, nil
 }
 
 // HistoryStart returns the first revision whose events the store holds:

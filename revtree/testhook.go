@@ -2,7 +2,11 @@
 
 package revtree
 
-import "go.etcd.io/etcd/api/v3/mvccpb"
+import (
+	"slices"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+)
 
 // CorruptForTest replaces the key-value of kv.Key at the store's newest
 // snapshot and in every later one with kv, without an event: it makes the
@@ -13,19 +17,31 @@ import "go.etcd.io/etcd/api/v3/mvccpb"
 func (s *Store) CorruptForTest(kv *mvccpb.KeyValue) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	s.latest.ReplaceOrInsert(newEntry(kv)) // the store's own copy, as every key-value it holds
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if newest, ok := s.snapshots.Max(); ok {
-		// A checkpoint, so that the revisions after it are read from
-		// the corrupted tree.
-		s.newest = &snapshot{rev: newest.rev, kvs: s.latest.Clone(), events: newest.events, bytes: newest.bytes}
-		s.window.revs, s.window.events = 0, 0
-		s.snapshots.ReplaceOrInsert(s.newest)
-		// The replaced snapshot's flattened ranges would never be hit
-		// again: drop every range.
-		s.gen++
-		oldest, _ := s.snapshots.Min()
-		s.flat.dropBelow(s.gen, oldest.rev)
+	newest, ok := s.snapshots.Max()
+	if !ok {
+		return
 	}
+	// A new history for the key, as a prune makes one, whose version at
+	// the newest revision is kv: views taken before keep the old one.
+	kv = newEntry(kv) // the store's own copy, as every key-value it holds
+	var vs []version
+	if h, ok := s.index.Get(&keyHistory{key: kv.Key}); ok {
+		vs = slices.Clone(h.published())
+	}
+	if n := len(vs); n > 0 && vs[n-1].rev == newest.rev {
+		vs[n-1].kv = kv
+	} else {
+		vs = append(vs, version{rev: newest.rev, kv: kv})
+	}
+	if _, replaced := s.index.ReplaceOrInsert(newKeyHistory(vs, len(vs))); !replaced {
+		s.indexKeys++
+	}
+	s.indexChanged = true
+	s.publishLocked()
+	// The snapshot's flattened ranges no longer hold: drop every range.
+	s.gen++
+	oldest, _ := s.snapshots.Min()
+	s.flat.dropBelow(s.gen, oldest.rev)
 }

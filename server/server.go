@@ -158,7 +158,7 @@ type Config struct {
 	// them to add interceptors).
 	GRPCServerOptions []grpc.ServerOption
 
-	// BTreeDegree of the key trees (revtree.DefaultDegree if 0).
+	// BTreeDegree of the key index (revtree.DefaultDegree if 0).
 	BTreeDegree int
 	// MaxHistoryBytes bounds the memory of retained history on top of the
 	// live keyspace (--max-history-bytes): past revisions' snapshots and

@@ -119,7 +119,7 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "embedded-client-url", Category: catEmbedded, Value: "http://127.0.0.1:23792", Usage: "client URL of the embedded etcd"},
 			&cli.StringFlag{Name: "embedded-peer-url", Category: catEmbedded, Value: "http://127.0.0.1:23793", Usage: "peer URL of the embedded etcd"},
 
-			&cli.IntFlag{Name: "btree-degree", Category: catCache, Value: revtree.DefaultDegree, Usage: "B-tree degree of the snapshot trees (memory per revision vs scan speed)"},
+			&cli.IntFlag{Name: "btree-degree", Category: catCache, Value: revtree.DefaultDegree, Usage: "B-tree degree of the key index (scan speed vs the nodes a revision that creates a key copies)"},
 			&cli.Int64Flag{Name: "max-history-bytes", Category: catCache, Value: revtree.DefaultMaxHistoryBytes,
 				Usage: "memory retained history may use on top of the live keyspace (past revisions' snapshots and events, flattened ranges); past it the oldest revisions are dropped and their reads go to etcd (0: unbounded)"},
 			&cli.DurationFlag{Name: "revision-wait", Category: catCache, Value: kvproxy.DefaultRevisionWait,
