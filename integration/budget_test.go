@@ -56,7 +56,7 @@ func writeConcurrently(cli *clientv3.Client, n, workers int, keyOf func(i int) s
 
 // TestHistoryBudget writes 10^5 revisions (`make integration`; 10^4 in
 // `make test`) with concurrent writers through etcd while the proxy keeps
-// its history within a 2 MiB budget (about 3,700 revisions here). The floor (the oldest retained revision) moves,
+// its history within a 1 MiB budget (about 3,000 revisions here). The floor (the oldest retained revision) moves,
 // etcd's compaction revision is untouched, and the metrics say so. Every
 // read below the floor is forwarded (not_retained) and equals etcd's, as
 // does every read above it, served from memory. Watches from below the
@@ -66,7 +66,7 @@ func TestHistoryBudget(t *testing.T) {
 	const (
 		keys    = 1000
 		writers = 8
-		budget  = 2 << 20
+		budget  = 1 << 20
 		prefix  = "/budget/"
 	)
 	revs := *budgetRevisions
