@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"crypto/tls"
 	"flag"
 	"fmt"
 	"math"
@@ -50,6 +51,7 @@ type pairEnv struct {
 	etcdS  *side
 	proxyS *side
 	auth   bool
+	tls    *tls.Config // what the load presents to etcd and the proxy; nil: plaintext
 }
 
 // side is one path the load takes: direct to etcd, or through the proxy.
@@ -61,13 +63,14 @@ type side struct {
 	env      *pairEnv
 }
 
-// dial is a clientv3 client of endpoint (authenticated if user is set),
-// closed when tb ends. Its raw pb clients receive messages of any size, as
-// clientv3's own calls do.
-func dial(tb testing.TB, endpoint, user, password string) *clientv3.Client {
+// dial is a clientv3 client of endpoint (over TLS with tlsCfg if not nil,
+// authenticated if user is set), closed when tb ends. Its raw pb clients
+// receive messages of any size, as clientv3's own calls do.
+func dial(tb testing.TB, endpoint string, tlsCfg *tls.Config, user, password string) *clientv3.Client {
 	tb.Helper()
 	cli, err := clientv3.New(clientv3.Config{
 		Endpoints:   []string{endpoint},
+		TLS:         tlsCfg,
 		Username:    user,
 		Password:    password,
 		DialTimeout: 5 * time.Second,
@@ -91,12 +94,12 @@ func newPairEnv(b *testing.B) *pairEnv {
 	var proxyArgs []string
 	user, password := "", ""
 	if env.auth {
-		setUpAuth(b, env.etcd.endpoint)
+		setUpAuth(b, env.etcd.endpoint, nil)
 		proxyArgs = append(proxyArgs, "--user=root", "--password="+rootPassword)
 		user, password = benchUser, benchPassword
-		env.loader = dial(b, env.etcd.endpoint, "root", rootPassword)
+		env.loader = dial(b, env.etcd.endpoint, nil, "root", rootPassword)
 	} else {
-		env.loader = dial(b, env.etcd.endpoint, "", "")
+		env.loader = dial(b, env.etcd.endpoint, nil, "", "")
 	}
 	env.proxy = startProxyProcess(b, env.etcd.endpoint, proxyArgs...)
 	env.etcdS = env.newSide(b, "etcd", env.etcd.endpoint, user, password)
@@ -107,7 +110,7 @@ func newPairEnv(b *testing.B) *pairEnv {
 func (env *pairEnv) newSide(b *testing.B, name, endpoint, user, password string) *side {
 	s := &side{name: name, endpoint: endpoint, env: env}
 	for range max(*cmpConns, 1) {
-		cli := dial(b, endpoint, user, password)
+		cli := dial(b, endpoint, env.tls, user, password)
 		s.clis = append(s.clis, cli)
 		s.kvs = append(s.kvs, pb.NewKVClient(cli.ActiveConnection()))
 	}
@@ -116,9 +119,9 @@ func (env *pairEnv) newSide(b *testing.B, name, endpoint, user, password string)
 
 // setUpAuth gives etcd a root user and benchUser, whose role may read and
 // write benchPerm, and enables auth.
-func setUpAuth(b *testing.B, endpoint string) {
+func setUpAuth(b *testing.B, endpoint string, tlsCfg *tls.Config, more ...func(context.Context, *clientv3.Client) error) {
 	b.Helper()
-	admin := dial(b, endpoint, "", "")
+	admin := dial(b, endpoint, tlsCfg, "", "")
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	steps := []func() error{
@@ -132,8 +135,11 @@ func setUpAuth(b *testing.B, endpoint string) {
 			return err
 		},
 		func() error { _, err := admin.UserGrantRole(ctx, benchUser, benchUser); return err },
-		func() error { _, err := admin.AuthEnable(ctx); return err },
 	}
+	for _, step := range more {
+		steps = append(steps, func() error { return step(ctx, admin) })
+	}
+	steps = append(steps, func() error { _, err := admin.AuthEnable(ctx); return err })
 	for _, step := range steps {
 		if err := step(); err != nil {
 			b.Fatalf("setting up etcd's auth: %v", err)

@@ -97,12 +97,17 @@
 // "bench" whose role may read and write /registry/), the proxy runs with
 // --user=root, and the load authenticates as "bench", directly and through
 // the proxy; the SUMMARY lines say "(auth on)". Run it beside the run
-// without to compare. (BenchmarkKubeList is skipped with it.)
+// without to compare. BenchmarkKubeList then runs as clusters that enable
+// etcd's RBAC do: kube-apiserver authenticates by client certificate only,
+// so etcd and the proxy serve mTLS with --client-cert-auth, kube-apiserver
+// presents a certificate for the user kube-apiserver (read-write on
+// /registry/, read on compact_rev_key), and the proxy reaches etcd with a
+// certificate that names no user, as root by password (newKubeAuthEnv).
 //
 // Run (after -args, or in BENCH_E2E_FLAGS for make):
 //
 //	make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical|KubeList' BENCHTIME=1x
-//	make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical' BENCHTIME=1x BENCH_E2E_FLAGS=-snapcache.e2e.auth
+//	make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical|KubeList' BENCHTIME=1x BENCH_E2E_FLAGS=-snapcache.e2e.auth
 //
 // Flags: the throughput benchmarks' -snapcache.e2e.rounds, .round,
 // .maxops, .conns, .op-timeout, .auth, .get-clients, .get-keys,

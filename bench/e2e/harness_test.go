@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -14,7 +15,6 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
-	"go.uber.org/zap"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -71,7 +71,8 @@ func etcdBinary(tb testing.TB) string {
 // etcdProcess is a single-member etcd run as a separate process.
 type etcdProcess struct {
 	*child
-	endpoint string // http://127.0.0.1:port
+	endpoint   string // http://127.0.0.1:port, or https:// with TLS
+	metricsURL string // where its /metrics is read in plaintext
 }
 
 // startEtcd starts etcd with its data in a temporary directory and waits
@@ -79,11 +80,26 @@ type etcdProcess struct {
 // the benchmarks measure the proxy, not the disk.
 func startEtcd(tb testing.TB, extra ...string) *etcdProcess {
 	tb.Helper()
-	ports := testsupport.FreePorts(tb, 2)
+	return startEtcdTLS(tb, nil, extra...)
+}
+
+// startEtcdTLS is startEtcd serving its clients over TLS when clientTLS
+// (what a client presents to it) is not nil; extra then holds the serving
+// flags. Its metrics are then served in plaintext on a port of their own.
+func startEtcdTLS(tb testing.TB, clientTLS *tls.Config, extra ...string) *etcdProcess {
+	tb.Helper()
+	ports := testsupport.FreePorts(tb, 3)
 	client := fmt.Sprintf("http://127.0.0.1:%d", ports[0])
+	metrics := client
+	var tlsArgs []string
+	if clientTLS != nil {
+		client = fmt.Sprintf("https://127.0.0.1:%d", ports[0])
+		metrics = fmt.Sprintf("http://127.0.0.1:%d", ports[2])
+		tlsArgs = []string{"--listen-metrics-urls=" + metrics}
+	}
 	peer := fmt.Sprintf("http://127.0.0.1:%d", ports[1])
 	dir := tb.TempDir()
-	args := append([]string{
+	args := append(append([]string{
 		"--name=bench",
 		"--data-dir=" + filepath.Join(dir, "data"),
 		"--listen-client-urls=" + client, "--advertise-client-urls=" + client,
@@ -92,9 +108,9 @@ func startEtcd(tb testing.TB, extra ...string) *etcdProcess {
 		"--unsafe-no-fsync",
 		"--quota-backend-bytes=8589934592",
 		"--log-level=warn",
-	}, extra...)
-	e := &etcdProcess{child: startChild(tb, "etcd", dir, etcdBinary(tb), args), endpoint: client}
-	cli := newClient(tb, client)
+	}, tlsArgs...), extra...)
+	e := &etcdProcess{child: startChild(tb, "etcd", dir, etcdBinary(tb), args), endpoint: client, metricsURL: metrics}
+	cli := dial(tb, client, clientTLS, "", "")
 	testsupport.Poll(tb, startTimeout, 50*time.Millisecond, "etcd to serve", func() (bool, error) {
 		if err := e.alive(); err != nil {
 			tb.Fatal(err)
@@ -120,17 +136,6 @@ func (e *etcdProcess) rssBytes() int64 {
 		}
 	}
 	return 0
-}
-
-// newClient is a clientv3 client of endpoint, closed when tb ends.
-func newClient(tb testing.TB, endpoint string) *clientv3.Client {
-	tb.Helper()
-	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{endpoint}, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { cli.Close() })
-	return cli
 }
 
 // startProxy starts the proxy in this process in front of endpoint, and

@@ -9,11 +9,13 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
@@ -39,14 +41,14 @@ type kubeProcess struct {
 	hc    *http.Client
 }
 
-// startKube starts kube-apiserver with its storage at etcdServers, without
-// its watch cache (every read goes to its storage), and waits until it is
-// ready.
-func startKube(b *testing.B, name, bin, etcdServers string) *kubeProcess {
+// startKube starts kube-apiserver with its storage at etcdServers (and the
+// other --etcd-* flags in etcdArgs), without its watch cache (every read
+// goes to its storage), and waits until it is ready.
+func startKube(b *testing.B, name, bin, etcdServers string, etcdArgs ...string) *kubeProcess {
 	b.Helper()
 	dir := b.TempDir()
 	args, port, token := testsupport.KubeAPIServerSetup(b, dir)
-	args = append(args, "--etcd-servers="+etcdServers, "--watch-cache=false")
+	args = append(append(args, "--etcd-servers="+etcdServers, "--watch-cache=false"), etcdArgs...)
 	k := &kubeProcess{base: fmt.Sprintf("https://127.0.0.1:%d", port), token: token}
 	k.child = startChild(b, name, dir, bin, args)
 	k.hc = testsupport.KubeClient(b, dir, port, token, 5*time.Minute, k.alive)
@@ -136,21 +138,25 @@ func (k *kubeProcess) list(ctx context.Context, limit int) (int, error) {
 // -snapcache.e2e.kube-page, following continue tokens). Beside the usual
 // values, each round reports etcd-cpu-ms and kube-cpu-ms: the CPU time
 // etcd and the kube-apiserver spent per LIST (from /proc/<pid>/stat).
-// Skipped without a kube-apiserver binary (`make tools-kube`) and with
-// -snapcache.e2e.auth.
+// Skipped without a kube-apiserver binary (`make tools-kube`). With
+// -snapcache.e2e.auth, every hop is mTLS and etcd has auth on, as in
+// clusters that enable etcd's RBAC (newKubeAuthEnv).
 func BenchmarkKubeList(b *testing.B) {
 	bin := kubeAPIServerBinary()
 	if bin == "" {
 		b.Skip("no kube-apiserver binary: build it with `make tools-kube` (tools/build.sh kube), or set $KUBE_APISERVER_BIN")
 	}
-	if *cmpAuth {
-		b.Skip("BenchmarkKubeList runs without etcd auth")
-	}
 	start := time.Now()
-	env := newPairEnv(b)
+	var env *pairEnv
+	var kubeTLS []string
+	if *cmpAuth {
+		env, kubeTLS = newKubeAuthEnv(b)
+	} else {
+		env = newPairEnv(b)
+	}
 	kubes := map[*side]*kubeProcess{
-		env.etcdS:  startKube(b, "kube-apiserver-etcd", bin, env.etcd.endpoint),
-		env.proxyS: startKube(b, "kube-apiserver-proxy", bin, env.proxy.endpoint),
+		env.etcdS:  startKube(b, "kube-apiserver-etcd", bin, env.etcd.endpoint, kubeTLS...),
+		env.proxyS: startKube(b, "kube-apiserver-proxy", bin, env.proxy.endpoint, kubeTLS...),
 	}
 	writer := kubes[env.etcdS]
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
@@ -227,5 +233,60 @@ feed:
 				return out
 			})
 		})
+	}
+}
+
+// newKubeAuthEnv is newPairEnv for kube-apiserver with etcd's auth on,
+// which kube-apiserver reaches only by client certificate (it sends no
+// password): etcd serves mTLS with --client-cert-auth and has auth
+// enabled, with root and a kube-apiserver user (no password) whose role
+// reads and writes /registry/ and reads compact_rev_key (what it needs:
+// integration/clients' kubeAPIServerPerms); the proxy serves mTLS with
+// --client-cert-auth too, reaches etcd with a certificate that names no
+// user, and is root (--user) for its own load and watch. It returns the
+// env and kube-apiserver's --etcd-* certificate flags (CN
+// kube-apiserver). The load's own clients are root over mTLS.
+func newKubeAuthEnv(b *testing.B) (*pairEnv, []string) {
+	b.Helper()
+	dir := b.TempDir()
+	file := func(name string) string { return filepath.Join(dir, name) }
+	pki := testsupport.NewPKI(b)
+	pki.WriteCA(b, file("ca.crt"))
+	pki.WritePair(b, "etcd", testsupport.Server, file("etcd.crt"), file("etcd.key"))
+	pki.WritePair(b, "etcd-snapcache", testsupport.Server, file("proxy.crt"), file("proxy.key"))
+	pki.WritePair(b, "", testsupport.Client, file("anonymous.crt"), file("anonymous.key"))
+	pki.WritePair(b, "kube-apiserver", testsupport.Client, file("kube-apiserver.crt"), file("kube-apiserver.key"))
+	serving := func(name string) []string {
+		return []string{"--cert-file=" + file(name+".crt"), "--key-file=" + file(name+".key"), "--trusted-ca-file=" + file("ca.crt"), "--client-cert-auth"}
+	}
+	env := &pairEnv{auth: true, tls: pki.ClientTLS(b, "")}
+	env.etcd = startEtcdTLS(b, env.tls, serving("etcd")...)
+	setUpAuth(b, env.etcd.endpoint, env.tls,
+		func(ctx context.Context, admin *clientv3.Client) error {
+			if _, err := admin.RoleAdd(ctx, "kube-apiserver"); err != nil {
+				return err
+			}
+			if _, err := admin.RoleGrantPermission(ctx, "kube-apiserver", "/registry/", clientv3.GetPrefixRangeEnd("/registry/"), clientv3.PermissionType(clientv3.PermReadWrite)); err != nil {
+				return err
+			}
+			if _, err := admin.RoleGrantPermission(ctx, "kube-apiserver", "compact_rev_key", "", clientv3.PermissionType(clientv3.PermRead)); err != nil {
+				return err
+			}
+			if _, err := admin.UserAddWithOptions(ctx, "kube-apiserver", "", &clientv3.UserAddOptions{NoPassword: true}); err != nil {
+				return err
+			}
+			_, err := admin.UserGrantRole(ctx, "kube-apiserver", "kube-apiserver")
+			return err
+		})
+	env.loader = dial(b, env.etcd.endpoint, env.tls, "root", rootPassword)
+	env.proxy = startProxyProcessTLS(b, env.etcd.endpoint, true, append(serving("proxy"),
+		"--cacert="+file("ca.crt"), "--cert="+file("anonymous.crt"), "--key="+file("anonymous.key"),
+		"--user=root", "--password="+rootPassword)...)
+	env.etcdS = env.newSide(b, "etcd", env.etcd.endpoint, "root", rootPassword)
+	env.proxyS = env.newSide(b, "proxy", env.proxy.endpoint, "root", rootPassword)
+	return env, []string{
+		"--etcd-cafile=" + file("ca.crt"),
+		"--etcd-certfile=" + file("kube-apiserver.crt"),
+		"--etcd-keyfile=" + file("kube-apiserver.key"),
 	}
 }

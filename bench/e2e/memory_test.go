@@ -48,7 +48,7 @@ func BenchmarkHistoryMemory(b *testing.B) {
 		b.Run(tc.name, func(b *testing.B) {
 			etcd := startEtcd(b)
 			ks := keyspace{n: *memKeys}
-			w := newWriter(newClient(b, etcd.endpoint), *memValue, *memWriters)
+			w := newWriter(dial(b, etcd.endpoint, nil, "", ""), *memValue, *memWriters)
 			loaded := w.put(b, ks.n, ks.key)
 			p := startProxy(b, etcd.endpoint, func(c *server.Config) { c.MaxHistoryBytes = tc.budget })
 			waitApplied(b, p, loaded)
@@ -64,7 +64,7 @@ func BenchmarkHistoryMemory(b *testing.B) {
 				tc.name, ks.n, head-loaded, retained, float64(h0)/mib, float64(h1)/mib,
 				float64(st.ApproxBytes())/mib, float64(st.HistoryBytes())/mib, float64(etcd.rssBytes())/mib)
 
-			kv := pb.NewKVClient(newClient(b, p.Addr()).ActiveConnection())
+			kv := pb.NewKVClient(dial(b, p.Addr(), nil, "", "").ActiveConnection())
 			rng := rand.New(rand.NewPCG(2, 3))
 			for b.Loop() {
 				rev := st.OldestRev() + rng.Int64N(max(retained, 1))

@@ -88,7 +88,7 @@ func (c *child) stop(tb testing.TB) {
 // it: `etcd-snapcache serve --endpoints=...` with grpc-proxy's flags.
 type proxyProcess struct {
 	*child
-	endpoint   string // http://127.0.0.1:port, the etcd API
+	endpoint   string // http(s)://127.0.0.1:port, the etcd API
 	metricsURL string // http://127.0.0.1:port of --metrics-addr
 }
 
@@ -99,10 +99,22 @@ type proxyProcess struct {
 // benchmark ends.
 func startProxyProcess(tb testing.TB, upstream string, extra ...string) *proxyProcess {
 	tb.Helper()
+	return startProxyProcessTLS(tb, upstream, false, extra...)
+}
+
+// startProxyProcessTLS is startProxyProcess serving its clients over TLS
+// if secure (extra then holds the serving flags); --metrics-addr stays
+// plaintext.
+func startProxyProcessTLS(tb testing.TB, upstream string, secure bool, extra ...string) *proxyProcess {
+	tb.Helper()
 	ports := testsupport.FreePorts(tb, 2)
 	dir := tb.TempDir()
+	scheme := "http"
+	if secure {
+		scheme = "https"
+	}
 	p := &proxyProcess{
-		endpoint:   fmt.Sprintf("http://127.0.0.1:%d", ports[0]),
+		endpoint:   fmt.Sprintf("%s://127.0.0.1:%d", scheme, ports[0]),
 		metricsURL: fmt.Sprintf("http://127.0.0.1:%d", ports[1]),
 	}
 	args := append([]string{
@@ -134,7 +146,7 @@ func (p *proxyProcess) metrics(tb testing.TB) metricSet {
 // metrics scrapes etcd's /metrics, which it serves on its client URL.
 func (e *etcdProcess) metrics(tb testing.TB) metricSet {
 	tb.Helper()
-	return scrape(tb, e.endpoint+"/metrics")
+	return scrape(tb, e.metricsURL+"/metrics")
 }
 
 func tailOf(path string) string {

@@ -49,7 +49,7 @@ func BenchmarkWatchFanout(b *testing.B) {
 			user, password = benchUser, benchPassword
 		}
 		for range *watchConns {
-			conns[s] = append(conns[s], dial(b, s.endpoint, user, password))
+			conns[s] = append(conns[s], dial(b, s.endpoint, s.env.tls, user, password))
 		}
 	}
 	b.Logf("setup: %d watchers on %d connections, %d puts of %d keys x %d B per round: %d events; auth %v",
