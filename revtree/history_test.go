@@ -7,7 +7,6 @@ import (
 	"runtime"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 
 	"google.golang.org/protobuf/proto"
@@ -274,60 +273,45 @@ func TestReadersWhilePruning(t *testing.T) {
 		}
 		return strings.Join(got, " ")
 	}
-	var wg sync.WaitGroup
-	done := make(chan struct{})
-	errc := make(chan error, 4)
-	for g := range 3 {
-		wg.Go(func() {
-			rng := rand.New(rand.NewPCG(uint64(g), 1))
-			var held []revtree.View
-			for {
-				select {
-				case <-done:
-					for _, v := range held {
-						if got := read(v); got != plan[v.Rev].want {
-							errc <- fmt.Errorf("view at %d held across drops: %q, want %q", v.Rev, got, plan[v.Rev].want)
-							return
-						}
-					}
-					return
-				default:
-				}
-				head, oldest := s.Rev(), s.OldestRev()
-				r := oldest + rng.Int64N(head-oldest+1)
-				v, err := s.View(r)
-				if errors.Is(err, revtree.ErrNotRetained) || errors.Is(err, revtree.ErrCompacted) {
-					continue
-				}
-				if err != nil {
-					errc <- fmt.Errorf("View(%d): %v", r, err)
-					return
-				}
-				if got := read(v); got != plan[r].want {
-					errc <- fmt.Errorf("Range at %d: %q, want %q", r, got, plan[r].want)
-					return
-				}
-				if rng.IntN(50) == 0 && len(held) < 20 {
-					held = append(held, v)
-				}
-			}
-		})
-	}
-	for r := int64(2); r <= revs; r++ {
+	readWhileApplying(t, 3, revs, func(r int64) {
 		if _, err := s.Apply(r, plan[r].evs); err != nil {
-			t.Fatalf("Apply(%d): %v", r, err)
+			t.Errorf("Apply(%d): %v", r, err)
 		}
 		if r%200 == 0 {
 			s.Compact(r - 50)
 		}
-		runtime.Gosched() // let the readers interleave
-	}
-	close(done)
-	wg.Wait()
-	close(errc)
-	for err := range errc {
-		t.Error(err)
-	}
+	}, func(g int, done <-chan struct{}) error {
+		rng := rand.New(rand.NewPCG(uint64(g), 1))
+		var held []revtree.View
+		for {
+			select {
+			case <-done:
+				for _, v := range held {
+					if got := read(v); got != plan[v.Rev].want {
+						return fmt.Errorf("view at %d held across drops: %q, want %q", v.Rev, got, plan[v.Rev].want)
+					}
+				}
+				return nil
+			default:
+			}
+			runtime.Gosched() // the writer's turn comes sooner than at preemption
+			head, oldest := s.Rev(), s.OldestRev()
+			r := oldest + rng.Int64N(head-oldest+1)
+			v, err := s.View(r)
+			if errors.Is(err, revtree.ErrNotRetained) || errors.Is(err, revtree.ErrCompacted) {
+				continue
+			}
+			if err != nil {
+				return fmt.Errorf("View(%d): %v", r, err)
+			}
+			if got := read(v); got != plan[r].want {
+				return fmt.Errorf("Range at %d: %q, want %q", r, got, plan[r].want)
+			}
+			if rng.IntN(50) == 0 && len(held) < 20 {
+				held = append(held, v)
+			}
+		}
+	})
 	if s.HistoryTrimmed() == 0 {
 		t.Errorf("the budget dropped nothing")
 	}

@@ -451,49 +451,8 @@ func TestConcurrentReaders(t *testing.T) {
 	s.Reset(1, nil, 0)
 	// At revision r (>= 2) key (r-2)%keys has version (r-2)/keys+1 and the
 	// keyspace holds min(r-1, keys) keys.
-	var wg sync.WaitGroup
 	var reads atomic.Int64
-	done := make(chan struct{})
-	errc := make(chan error, 4)
-	for g := range 4 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := 0; ; i++ {
-				select {
-				case <-done:
-					return
-				default:
-				}
-				reads.Add(1)
-				cur := s.Rev()
-				rev := cur - int64((i*7+g)%20)
-				resp, err := s.Range(&pb.RangeRequest{Key: []byte{0}, RangeEnd: []byte{0}, Revision: rev, SortTarget: pb.RangeRequest_MOD}, revtree.RangeOptions{})
-				if errors.Is(err, revtree.ErrCompacted) {
-					continue
-				}
-				if err != nil {
-					errc <- fmt.Errorf("Range at %d (store at %d): %v", rev, cur, err)
-					return
-				}
-				if rev < 1 {
-					rev = resp.Header.Revision
-				}
-				want := min(max(rev-1, 0), keys)
-				if int64(len(resp.Kvs)) != want || resp.Count != want {
-					errc <- fmt.Errorf("Range at %d: %d keys (count %d), want %d", rev, len(resp.Kvs), resp.Count, want)
-					return
-				}
-				for _, kv := range resp.Kvs {
-					if kv.ModRevision > rev {
-						errc <- fmt.Errorf("Range at %d returned %s@%d", rev, kv.Key, kv.ModRevision)
-						return
-					}
-				}
-			}
-		}()
-	}
-	for r := int64(2); r <= revs; r++ {
+	readWhileApplying(t, 4, revs, func(r int64) {
 		k := (r - 2) % keys
 		ver := (r-2)/keys + 1
 		create := r
@@ -502,12 +461,66 @@ func TestConcurrentReaders(t *testing.T) {
 		}
 		kv := mkKV(fmt.Sprintf("k%02d", k), create, r, ver)
 		if _, err := s.Apply(r, []*mvccpb.Event{putEv(kv)}); err != nil {
-			t.Fatalf("Apply(%d): %v", r, err)
+			t.Errorf("Apply(%d): %v", r, err)
 		}
 		if r%50 == 0 {
 			s.Compact(r - 10)
 		}
-		runtime.Gosched() // let the readers interleave
+	}, func(g int, done <-chan struct{}) error {
+		for i := 0; ; i++ {
+			select {
+			case <-done:
+				return nil
+			default:
+			}
+			runtime.Gosched() // the writer's turn comes sooner than at preemption
+			reads.Add(1)
+			cur := s.Rev()
+			rev := cur - int64((i*7+g)%20)
+			resp, err := s.Range(&pb.RangeRequest{Key: []byte{0}, RangeEnd: []byte{0}, Revision: rev, SortTarget: pb.RangeRequest_MOD}, revtree.RangeOptions{})
+			if errors.Is(err, revtree.ErrCompacted) {
+				continue
+			}
+			if err != nil {
+				return fmt.Errorf("Range at %d (store at %d): %v", rev, cur, err)
+			}
+			if rev < 1 {
+				rev = resp.Header.Revision
+			}
+			want := min(max(rev-1, 0), keys)
+			if int64(len(resp.Kvs)) != want || resp.Count != want {
+				return fmt.Errorf("Range at %d: %d keys (count %d), want %d", rev, len(resp.Kvs), resp.Count, want)
+			}
+			for _, kv := range resp.Kvs {
+				if kv.ModRevision > rev {
+					return fmt.Errorf("Range at %d returned %s@%d", rev, kv.Key, kv.ModRevision)
+				}
+			}
+		}
+	})
+	t.Logf("%d concurrent reads during %d applies", reads.Load(), revs-1)
+}
+
+// readWhileApplying runs read(g, done) on readers goroutines while it calls
+// apply(r) for revisions 2..last, yielding between revisions so that the
+// readers interleave; then it closes done, waits for the readers and
+// fails t with their errors. A reader returns when done is closed (after
+// checking what it held, if it likes) or at its first error.
+func readWhileApplying(t *testing.T, readers int, last int64, apply func(r int64), read func(g int, done <-chan struct{}) error) {
+	t.Helper()
+	var wg sync.WaitGroup
+	done := make(chan struct{})
+	errc := make(chan error, readers)
+	for g := range readers {
+		wg.Go(func() {
+			if err := read(g, done); err != nil {
+				errc <- err
+			}
+		})
+	}
+	for r := int64(2); r <= last && !t.Failed(); r++ {
+		apply(r)
+		runtime.Gosched()
 	}
 	close(done)
 	wg.Wait()
@@ -515,5 +528,4 @@ func TestConcurrentReaders(t *testing.T) {
 	for err := range errc {
 		t.Error(err)
 	}
-	t.Logf("%d concurrent reads during %d applies", reads.Load(), revs-1)
 }
