@@ -9,7 +9,6 @@ import (
 	"io"
 	"net/http"
 	"net/url"
-	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -248,14 +247,7 @@ feed:
 // kube-apiserver). The load's own clients are root over mTLS.
 func newKubeAuthEnv(b *testing.B) (*pairEnv, []string) {
 	b.Helper()
-	dir := b.TempDir()
-	file := func(name string) string { return filepath.Join(dir, name) }
-	pki := testsupport.NewPKI(b)
-	pki.WriteCA(b, file("ca.crt"))
-	pki.WritePair(b, "etcd", testsupport.Server, file("etcd.crt"), file("etcd.key"))
-	pki.WritePair(b, "etcd-snapcache", testsupport.Server, file("proxy.crt"), file("proxy.key"))
-	pki.WritePair(b, "", testsupport.Client, file("anonymous.crt"), file("anonymous.key"))
-	pki.WritePair(b, "kube-apiserver", testsupport.Client, file("kube-apiserver.crt"), file("kube-apiserver.key"))
+	pki, file := testsupport.WriteKubeEtcdPKI(b, b.TempDir())
 	serving := func(name string) []string {
 		return []string{"--cert-file=" + file(name+".crt"), "--key-file=" + file(name+".key"), "--trusted-ca-file=" + file("ca.crt"), "--client-cert-auth"}
 	}

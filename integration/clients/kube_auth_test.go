@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -59,18 +58,10 @@ var kubeAPIServerPerms = [][]string{
 //     by password, over mTLS with a certificate without a common name.
 func etcdAuthStorage(t *testing.T, bins kubeBins) kubeStorage {
 	t.Helper()
-	dir := t.TempDir()
-	file := func(name string) string { return filepath.Join(dir, name) }
-	pki := testsupport.NewPKI(t)
-	pki.WriteCA(t, file("ca.crt"))
-	pki.WritePair(t, "etcd", testsupport.Server, file("etcd.crt"), file("etcd.key"))
-	pki.WritePair(t, "etcd-snapcache", testsupport.Server, file("proxy.crt"), file("proxy.key"))
-	pki.WritePair(t, "", testsupport.Client, file("proxy-client.crt"), file("proxy-client.key"))
-	pki.WritePair(t, "kube-apiserver", testsupport.Client, file("kube-apiserver.crt"), file("kube-apiserver.key"))
-	pki.WritePair(t, "", testsupport.Client, file("etcdctl.crt"), file("etcdctl.key"))
+	pki, file := testsupport.WriteKubeEtcdPKI(t, t.TempDir())
 	// The HTTP endpoints' client (/readyz, /proxy/metrics): no identity.
 	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: pki.ClientTLS(t, "")}}
-	ctlTLS := []string{"--cacert=" + file("ca.crt"), "--cert=" + file("etcdctl.crt"), "--key=" + file("etcdctl.key")}
+	ctlTLS := []string{"--cacert=" + file("ca.crt"), "--cert=" + file("anonymous.crt"), "--key=" + file("anonymous.key")}
 
 	e := startEtcdTLS(t, "etcd", &serverTLS{cert: file("etcd.crt"), key: file("etcd.key"), ca: file("ca.crt"), client: hc}, "--client-cert-auth")
 	etcdCtl := append([]string{"--endpoints=" + e.url}, ctlTLS...)
@@ -95,7 +86,7 @@ func etcdAuthStorage(t *testing.T, bins kubeBins) kubeStorage {
 
 	px := startProxyTLS(t, "proxy", e.url, &serverTLS{cert: file("proxy.crt"), key: file("proxy.key"), ca: file("ca.crt"), client: hc},
 		"--client-cert-auth",
-		"--cacert="+file("ca.crt"), "--cert="+file("proxy-client.crt"), "--key="+file("proxy-client.key"),
+		"--cacert="+file("ca.crt"), "--cert="+file("anonymous.crt"), "--key="+file("anonymous.key"),
 		"--user=root:rootpw",
 	)
 	return kubeStorage{

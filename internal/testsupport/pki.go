@@ -144,3 +144,28 @@ func writeFile(tb testing.TB, path string, b []byte) {
 		tb.Fatal(err)
 	}
 }
+
+// WriteKubeEtcdPKI issues into dir the certificates of kube-apiserver's
+// storage over mTLS, as clusters that enable etcd's RBAC run it:
+//
+//   - ca.crt, the CA;
+//   - etcd.crt/.key and proxy.crt/.key, serving certificates for etcd and
+//     etcd-snapcache;
+//   - kube-apiserver.crt/.key, a client certificate for the etcd user
+//     kube-apiserver, which it authenticates with (it sends no password);
+//   - anonymous.crt/.key, a client certificate that names no user: the
+//     proxy's to etcd (it lends no identity to what it forwards), and that
+//     of tools that log in by password.
+//
+// It returns the PKI and the path of a file of dir by name.
+func WriteKubeEtcdPKI(tb testing.TB, dir string) (*PKI, func(name string) string) {
+	tb.Helper()
+	file := func(name string) string { return filepath.Join(dir, name) }
+	p := NewPKI(tb)
+	p.WriteCA(tb, file("ca.crt"))
+	p.WritePair(tb, "etcd", Server, file("etcd.crt"), file("etcd.key"))
+	p.WritePair(tb, "etcd-snapcache", Server, file("proxy.crt"), file("proxy.key"))
+	p.WritePair(tb, "kube-apiserver", Client, file("kube-apiserver.crt"), file("kube-apiserver.key"))
+	p.WritePair(tb, "", Client, file("anonymous.crt"), file("anonymous.key"))
+	return p, file
+}
