@@ -38,11 +38,10 @@
 // Compact(6) records compaction revision 6 and drops every snapshot older
 // than the floor of 6: snapshots 4 and 5 go, 6 stays because a read at
 // exactly the compaction revision is still valid in etcd. A read at 5 is
-// then ErrCompacted. The index is then pruned, for the keys the dropped
-// snapshots' events touched, of the versions only dropped revisions
-// could read: here c, which has none to lose. Once snapshot 6 goes too,
-// a leaves the index (no retained revision comes before its delete), and
-// once 7 goes, b keeps only b@7.
+// then ErrCompacted. The index is then swept of the versions only dropped
+// revisions could read: a keeps only its delete at 6, which a read at 6
+// needs; once snapshot 6 goes too, a leaves the index (no retained
+// revision comes before its delete), and once 7 goes, b keeps only b@7.
 //
 // # Memory
 //
@@ -56,10 +55,12 @@
 //
 // A snapshot dropped from the store (by Compact or the budget) frees its
 // snapshot and events at once. The versions only it could read, and the
-// KeyValues they hold, go when the index is next pruned: Compact prunes at
-// once, the budget after a sixteenth of history has been dropped, so that
-// a key written by every revision has its versions copied a bounded number
-// of times. The estimate counts them until the prune.
+// KeyValues they hold, go when a sweep of the index next passes their key
+// (sweep.go): Compact sweeps the whole index before it returns; under the
+// budget, a sweep starts once dropped snapshots have left a sixteenth of
+// history to it and advances a stretch of keys per Apply, outside the
+// store's lock. ApproxBytes counts what awaits the sweep; the budget
+// bounds retained history alone.
 //
 // SetMaxHistoryBytes bounds history. Past the bound, Apply drops the oldest
 // snapshots, as Compact does, but leaves the compaction revision alone:
@@ -81,7 +82,7 @@
 // the published key index) changes under the store's lock. Range, View and
 // the accessors never wait for a writer beyond that lock: a View holds the
 // key index published when it was taken, whose histories only ever gain
-// versions above the view's revision (keyindex.go), and the prune gives a
+// versions above the view's revision (keyindex.go), and the sweep gives a
 // key a new history rather than change one a view may read, so a view
 // stays readable for as long as it is held. A Range that flattens a range
 // takes the cache's own lock, and then the write lock to keep history

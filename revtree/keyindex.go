@@ -20,7 +20,7 @@ import (
 // revision: a revision costs its version (16 bytes), its event and the
 // KeyValue it displaced.
 //
-// Writers (Apply, the prune, Reset) change the index one at a time under
+// Writers (Apply, the sweep, Reset) change the index one at a time under
 // Store.writeMu. Readers never lock it:
 //
 //   - a version is appended to a key's history in place: the writer
@@ -31,7 +31,7 @@ import (
 //     own tree; the store then publishes a Clone of it (O(1)), which a
 //     View keeps. The writer's next change copies the nodes it touches
 //     rather than change a published tree;
-//   - dropping history (prune) never changes a keyHistory a reader may
+//   - dropping history (the sweep) never changes a keyHistory a reader may
 //     hold: a key whose old versions are no longer needed gets a new
 //     keyHistory with the rest of its versions, in a new array, put in
 //     place in the writer's tree. A View taken before keeps the old
@@ -125,6 +125,6 @@ func (h *keyHistory) add(v version) int64 {
 	return versionArrayBytes(len(grown.v)) - versionArrayBytes(len(l.v))
 }
 
-// versionCap is the capacity a pruned history of n versions gets: room
+// versionCap is the capacity a swept history of n versions gets: room
 // to grow by doubling, as append would have left it.
 func versionCap(n int) int { return pow2(n) }

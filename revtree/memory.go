@@ -41,15 +41,15 @@ import (
 //     snapshots.
 //
 // The live keyspace is its KeyValues, one history of one version per live
-// key and the index's tree of the live keys. History is the rest: what
-// each retained revision added (its snapshot, its events and the
-// KeyValues it displaced, a put's or delete's previous one, which from
-// then on only history holds), the versions and deleted keys the index
-// keeps for it, the KeyValues dropped snapshots left to the next prune,
-// and the flattened-range cache. Dropping the oldest snapshot frees its
-// snapshot and events at once; the KeyValues it displaced, and the
-// versions that held them, once the index is next pruned (Store.trimLocked:
-// after a sixteenth of history, so the estimate counts them until then).
+// key and the index's tree of the live keys. History, which the budget
+// bounds, is what each retained revision added (its snapshot, its events
+// and the KeyValues it displaced, a put's or delete's previous one, which
+// from then on only history holds), the versions and deleted keys the
+// index keeps for it, and the flattened-range cache. Dropping the oldest
+// snapshot frees its snapshot and events at once; the KeyValues it
+// displaced, and the versions that held them, once the index's sweep
+// passes their keys (sweep.go). Until then ApproxBytes counts them
+// (pendingBytes), the budget does not.
 //
 // TestMemoryEstimate checks these estimates against the live heap
 // (runtime.MemStats.HeapAlloc after a GC) for several degrees, value sizes
@@ -105,9 +105,6 @@ var (
 	snapshotOverhead = sizeClass(int64(unsafe.Sizeof(snapshot{}))) +
 		20 // the slot in the snapshot index: a degree-32 B-tree of pointers, appended in order, so half-full nodes
 	keyHistoryStructBytes = sizeClass(int64(unsafe.Sizeof(keyHistory{}))) + sizeClass(int64(unsafe.Sizeof(versions{})))
-	// pendingKeyBytes is a dropped event's key left to the next prune
-	// (a slice header; the key is the event's).
-	pendingKeyBytes = int64(unsafe.Sizeof([]byte(nil)))
 )
 
 // versionArrayBytes is the heap an array of capacity versions takes.

@@ -1,11 +1,8 @@
 package revtree
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
-	"slices"
-	"sort"
 	"sync"
 
 	"github.com/google/btree"
@@ -52,13 +49,15 @@ type Store struct {
 	shape  shape // the memory estimate of the key index's tree
 
 	// writeMu serialises the writers: Apply, Reset, Unload, and the
-	// history drops of Compact and the budget, which prune the index.
+	// sweeps of the index after Compact and the budget drop history.
 	writeMu sync.Mutex
 	// Guarded by writeMu.
 	index *btree.BTreeG[*keyHistory] // the writer's; readers get clones
 	// indexChanged: a key was inserted, removed or given a new history
 	// since the index was last published.
 	indexChanged bool
+	// sweep is the walk of the index that prunes it (sweep.go).
+	sweep sweep
 
 	mu sync.RWMutex
 	// Guarded by mu: the published state.
@@ -81,10 +80,9 @@ type Store struct {
 	// gen counts the Resets and Unloads: a View's generation tells the
 	// flattened-range cache whether its snapshot can still be the store's.
 	gen uint64
-	// Guarded by writeMu and mu: the keys of the events of dropped
-	// snapshots, whose versions before the oldest snapshot's the next
-	// prune removes, and the bytes of the KeyValues it will free.
-	pendingKeys  [][]byte
+	// pendingBytes is what dropped snapshots displaced and left in the
+	// index: the KeyValues that the index's sweep frees (sweep.go).
+	// Changed under writeMu and mu.
 	pendingBytes int64
 
 	flat flatRanges // pages of recent paginated reads; its own lock
@@ -99,7 +97,7 @@ type snapshot struct {
 	bytes  int64           // estimated memory this revision added to history
 	// displaced is the part of bytes that the KeyValues this revision
 	// replaced or deleted take: their versions hold them until the
-	// prune after the snapshot is dropped.
+	// index's sweep after the snapshot is dropped.
 	displaced int64
 }
 
@@ -131,12 +129,11 @@ func New(degree int) *Store {
 // them, but the compaction revision stays: reads below the new oldest
 // snapshot get ErrNotRetained (etcd still answers them), and EventsFrom
 // below the new history start too. The newest snapshot always stays.
-// max <= 0 removes the bound.
+// max <= 0 removes the bound. What it drops is freed before it returns.
 func (s *Store) SetMaxHistoryBytes(max int64) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	s.maxHistoryBytes = 0
 	limit := int64(maxFlatBytes)
 	if max > 0 {
@@ -145,112 +142,49 @@ func (s *Store) SetMaxHistoryBytes(max int64) {
 	}
 	s.flat.setLimit(limit)
 	s.trimLocked()
+	s.mu.Unlock()
+	s.sweepAll()
 }
 
 // enforceBudget drops the oldest snapshots while history is over the
-// budget.
+// budget. Readers call it (the flattened ranges grew): the sweep that
+// frees what the drops leave in the index is left to the writer.
 func (s *Store) enforceBudget() {
-	s.writeMu.Lock()
-	defer s.writeMu.Unlock()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.trimLocked()
 }
 
-// historyBytesLocked is what history adds to the live keyspace: the
-// retained snapshots, the KeyValues the next prune frees, the index's
-// versions and keys beyond one live version per live key, and the
-// flattened ranges.
+// historyBytesLocked is what retained history adds to the live keyspace:
+// the retained snapshots, the index's versions and keys beyond one live
+// version per live key, and the flattened ranges. What dropped snapshots
+// left to the sweep (pendingBytes) is not retained history: the budget
+// does not count it, ApproxBytes does.
 func (s *Store) historyBytesLocked() int64 {
-	return s.historyBytes + s.pendingBytes +
+	return s.historyBytes +
 		s.indexBytes - int64(s.liveKeys)*keyHistoryBytes(1) +
 		s.shape.tree(s.indexKeys) - s.shape.tree(s.liveKeys) +
 		s.flat.size()
 }
 
-// pruneThreshold is the KeyValues dropped snapshots leave to the prune
-// before it runs: a sixteenth of history, so that a key written by
-// every revision has its versions copied about 16 times over its life
-// in history rather than once per dropped revision.
-func (s *Store) pruneThreshold() int64 { return s.historyBytes/16 + 4096 }
-
 // trimLocked drops the oldest snapshots, never the newest, while history
-// uses more than maxHistoryBytes, and prunes the index when the dropped
-// snapshots left enough to it. writeMu and mu are held.
+// uses more than maxHistoryBytes. mu is held.
 func (s *Store) trimLocked() {
-	for s.maxHistoryBytes > 0 && s.historyBytesLocked() > s.maxHistoryBytes {
-		if s.pendingBytes > 0 && (s.pendingBytes >= s.pruneThreshold() || s.snapshots.Len() <= 1) {
-			s.pruneLocked()
-			continue
-		}
-		if s.snapshots.Len() <= 1 {
-			break
-		}
+	for s.maxHistoryBytes > 0 && s.historyBytesLocked() > s.maxHistoryBytes && s.snapshots.Len() > 1 {
 		s.dropOldestLocked()
 		s.trimmed++
-	}
-	if s.pendingBytes >= s.pruneThreshold() {
-		s.pruneLocked()
 	}
 }
 
 // dropOldestLocked drops the oldest snapshot, and the flattened ranges of
-// it. Its events' keys are left to the next prune. writeMu and mu are
+// it. The KeyValues it displaced stay in the index until the sweep. mu is
 // held.
 func (s *Store) dropOldestLocked() {
 	oldest, _ := s.snapshots.DeleteMin()
 	s.historyBytes -= oldest.bytes
 	s.pendingBytes += oldest.displaced
-	for _, ev := range oldest.events {
-		s.pendingKeys = append(s.pendingKeys, ev.Kv.Key)
-		s.pendingBytes += pendingKeyBytes
-	}
 	next, _ := s.snapshots.Min()
 	s.flat.dropBelow(s.gen, next.rev)
-}
-
-// pruneLocked removes from the index the versions no retained revision
-// can read: of each key a dropped snapshot's events touched, every version
-// before its newest at or below the oldest snapshot's revision, that one
-// too if it is a delete, and the key itself if nothing is left. A key
-// whose versions change gets a new history (keyindex.go), so that views
-// taken before keep reading the old one. writeMu and mu are held.
-func (s *Store) pruneLocked() {
-	oldest, ok := s.snapshots.Min()
-	if !ok {
-		return
-	}
-	keys := s.pendingKeys
-	slices.SortFunc(keys, bytes.Compare)
-	keys = slices.CompactFunc(keys, bytes.Equal)
-	pivot := &keyHistory{}
-	for _, key := range keys {
-		pivot.key = key
-		h, ok := s.index.Get(pivot)
-		if !ok {
-			continue
-		}
-		vs := h.published()
-		keep := vs[max(sort.Search(len(vs), func(i int) bool { return vs[i].rev > oldest.rev })-1, 0):]
-		if keep[0].kv == nil && keep[0].rev <= oldest.rev {
-			keep = keep[1:] // deleted at the oldest revision: absent until its next version
-		}
-		if len(keep) == len(vs) {
-			continue
-		}
-		s.indexBytes -= keyHistoryBytes(len(h.list.Load().v))
-		s.indexChanged = true
-		if len(keep) == 0 {
-			s.index.Delete(h)
-			s.indexKeys--
-			continue
-		}
-		nh := newKeyHistory(keep, versionCap(len(keep)))
-		s.index.ReplaceOrInsert(nh)
-		s.indexBytes += keyHistoryBytes(len(nh.list.Load().v))
-	}
-	s.pendingKeys, s.pendingBytes = nil, 0
-	s.publishLocked()
 }
 
 // publishLocked makes the writer's index the one new views read, if it
@@ -293,7 +227,7 @@ func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
 	s.loaded = true
 	s.liveBytes, s.historyBytes, s.indexBytes = live, 0, indexBytes
 	s.liveKeys, s.indexKeys = index.Len(), index.Len()
-	s.pendingKeys, s.pendingBytes = nil, 0
+	s.pendingBytes, s.sweep = 0, sweep{}
 	s.gen++
 	s.flat.dropBelow(s.gen, rev)
 }
@@ -314,7 +248,7 @@ func (s *Store) Unload() {
 	s.loaded = false
 	s.liveBytes, s.historyBytes, s.indexBytes = 0, 0, 0
 	s.liveKeys, s.indexKeys = 0, 0
-	s.pendingKeys, s.pendingBytes = nil, 0
+	s.pendingBytes, s.sweep = 0, sweep{}
 	s.gen++
 	s.flat.dropBelow(s.gen, 0)
 }
@@ -375,7 +309,6 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 	snap.bytes += snap.displaced
 
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	s.publishLocked()
 	s.snapshots.ReplaceOrInsert(snap)
 	s.rev = rev
@@ -385,6 +318,10 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 	s.indexBytes += indexBytes
 	s.historyBytes += snap.bytes
 	s.trimLocked()
+	s.mu.Unlock()
+	// Readers are not held up by the sweep: it changes only the
+	// writer's index until it publishes.
+	s.sweepStep()
 	return events, nil
 }
 
@@ -461,25 +398,32 @@ func (s *Store) Advance(rev int64) {
 func (s *Store) Compact(rev int64) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
+	if s.compactLocked(rev) {
+		s.sweepAll()
+	}
+}
+
+// compactLocked is Compact's change of the published state; it reports
+// whether it dropped snapshots. writeMu is held.
+func (s *Store) compactLocked(rev int64) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if rev <= s.compactRev {
-		return
+		return false
 	}
 	s.compactRev = rev
 	floor := s.floorLocked(rev)
 	if floor == nil {
-		return
+		return false
 	}
+	dropped := false
 	for {
 		oldest, ok := s.snapshots.Min()
 		if !ok || oldest.rev >= floor.rev {
-			break
+			return dropped
 		}
 		s.dropOldestLocked()
-	}
-	if s.pendingBytes > 0 {
-		s.pruneLocked()
+		dropped = true
 	}
 }
 
@@ -527,12 +471,13 @@ func (s *Store) OldestRev() int64 {
 }
 
 // ApproxBytes estimates the memory of the store: the keyspace at its newest
-// revision (its KeyValues, one version of each and the index's tree) plus
-// HistoryBytes.
+// revision (its KeyValues, one version of each and the index's tree), plus
+// HistoryBytes, plus what dropped snapshots left in the index until its
+// sweep frees it (at most about a sixteenth of history).
 func (s *Store) ApproxBytes() int64 {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return s.liveBytes + int64(s.liveKeys)*keyHistoryBytes(1) + s.shape.tree(s.liveKeys) + s.historyBytesLocked()
+	return s.liveBytes + int64(s.liveKeys)*keyHistoryBytes(1) + s.shape.tree(s.liveKeys) + s.historyBytesLocked() + s.pendingBytes
 }
 
 // HistoryBytes estimates the memory retained history uses on top of the

@@ -23,7 +23,7 @@ func (s *Store) CorruptForTest(kv *mvccpb.KeyValue) {
 	if !ok {
 		return
 	}
-	// A new history for the key, as a prune makes one, whose version at
+	// A new history for the key, as the sweep makes one, whose version at
 	// the newest revision is kv: views taken before keep the old one.
 	kv = newEntry(kv) // the store's own copy, as every key-value it holds
 	var vs []version

@@ -1,0 +1,167 @@
+package revtree
+
+import (
+	"sort"
+)
+
+// The sweep: freeing what dropped snapshots leave in the key index.
+//
+// Dropping a snapshot frees its events at once, but the KeyValues it
+// displaced are still held by their keys' versions. The sweep walks the
+// index in key order and prunes each key (pruned): every version before
+// its newest at or below the oldest retained revision goes, that one too
+// if it is a delete, and the key itself if nothing is left. A key whose
+// versions change gets a new keyHistory with the rest of its versions, put
+// in place in the writer's tree, so that views taken before keep reading
+// the old one (keyindex.go).
+//
+// A sweep starts once dropped snapshots have left a sixteenth of retained
+// history to it, so that a key written by every revision has its versions
+// copied a bounded number of times over its life in history, not once per
+// dropped revision. It then advances a stretch of keys per Apply
+// (sweepStretch), outside the store's lock, so that neither readers nor
+// the watch feed wait for a whole sweep: with 100,000 keys and 256 MiB of
+// history, freeing a sixteenth at once held Apply for up to 170 ms.
+// Compact and SetMaxHistoryBytes sweep the whole index before they return
+// (sweepAll), so that what they drop is freed when they return.
+
+// sweep is the state of the index's sweep; guarded by Store.writeMu.
+type sweep struct {
+	running bool
+	next    []byte // the first key of the next stretch; nil: from the start
+	// freeing is the pendingBytes the sweep frees once it has walked
+	// the whole index: what was pending when it began.
+	freeing int64
+}
+
+// Sweep pacing: a sweep starts when pendingBytes reaches a sixteenth of
+// retained history (plus sweepMinBytes, so that small stores do not sweep
+// every few revisions; sweepThresholdLocked), and walks at least sweepMinStretch keys per Apply,
+// more in a large index, so that any sweep ends within sweepApplies
+// revisions.
+const (
+	sweepMinBytes   = 64 << 10
+	sweepMinStretch = 256
+	sweepApplies    = 1024
+)
+
+// sweepThresholdLocked is the pendingBytes at which a sweep starts: a
+// sixteenth of retained history, plus sweepMinBytes or, under a budget
+// small enough, a sixteenth of the budget. mu is held.
+func (s *Store) sweepThresholdLocked() int64 {
+	floor := int64(sweepMinBytes)
+	if s.maxHistoryBytes > 0 {
+		floor = min(floor, s.maxHistoryBytes/16)
+	}
+	return s.historyBytes/16 + floor
+}
+
+// sweepStep walks the next stretch of the index if a sweep is running or
+// due. writeMu is held, mu is not.
+func (s *Store) sweepStep() {
+	if !s.sweep.running {
+		s.mu.RLock()
+		pending := s.pendingBytes
+		due := pending > 0 && (pending >= s.sweepThresholdLocked() ||
+			// Trimming reached the newest snapshot: only the sweep
+			// can bring history back within the budget.
+			s.maxHistoryBytes > 0 && s.historyBytesLocked() > s.maxHistoryBytes)
+		s.mu.RUnlock()
+		if !due {
+			return
+		}
+		s.sweep = sweep{running: true, freeing: pending}
+	}
+	s.sweepStretch(max(sweepMinStretch, s.index.Len()/sweepApplies))
+}
+
+// sweepAll finishes the running sweep, if any, and sweeps the whole index
+// again if that leaves anything pending: everything dropped so far is
+// freed when it returns. writeMu is held, mu is not.
+func (s *Store) sweepAll() {
+	for {
+		if !s.sweep.running {
+			s.mu.RLock()
+			pending := s.pendingBytes
+			s.mu.RUnlock()
+			if pending == 0 {
+				return
+			}
+			s.sweep = sweep{running: true, freeing: pending}
+		}
+		s.sweepStretch(s.index.Len() + 1)
+	}
+}
+
+// sweepStretch prunes the next n keys of the running sweep and publishes
+// the index if that changed it. writeMu is held, mu is not.
+func (s *Store) sweepStretch(n int) {
+	// The snapshot index changes only under writeMu too: no lock is
+	// needed to read it here.
+	oldest, ok := s.snapshots.Min()
+	if !ok {
+		s.sweep = sweep{}
+		return
+	}
+	type change struct {
+		old, new *keyHistory // new is nil when the key goes
+	}
+	var changes []change
+	var next []byte
+	s.index.AscendGreaterOrEqual(&keyHistory{key: s.sweep.next}, func(h *keyHistory) bool {
+		if n == 0 {
+			next = h.key
+			return false
+		}
+		n--
+		if vs, ok := pruned(h.published(), oldest.rev); ok {
+			var nh *keyHistory
+			if len(vs) > 0 {
+				nh = newKeyHistory(vs, versionCap(len(vs)))
+			}
+			changes = append(changes, change{old: h, new: nh})
+		}
+		return true
+	})
+	var bytes int64
+	var keys int
+	for _, c := range changes {
+		bytes -= keyHistoryBytes(len(c.old.list.Load().v))
+		if c.new == nil {
+			s.index.Delete(c.old)
+			keys--
+			continue
+		}
+		s.index.ReplaceOrInsert(c.new)
+		bytes += keyHistoryBytes(len(c.new.list.Load().v))
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(changes) > 0 {
+		s.indexChanged = true
+		s.publishLocked()
+	}
+	s.indexBytes += bytes
+	s.indexKeys += keys
+	s.sweep.next = next
+	if next == nil {
+		s.pendingBytes -= s.sweep.freeing
+		s.sweep = sweep{}
+	}
+}
+
+// pruned returns what is left of the versions vs once those that no
+// revision from oldest on can read are gone, and whether that is fewer:
+// the versions from the newest at or below oldest on, without it if it is
+// a delete (the key is absent until its next version either way).
+func pruned(vs []version, oldest int64) ([]version, bool) {
+	i := sort.Search(len(vs), func(i int) bool { return vs[i].rev > oldest }) - 1
+	if i < 0 {
+		return vs, false
+	}
+	keep := vs[i:]
+	if keep[0].kv == nil {
+		keep = keep[1:]
+	}
+	return keep, len(keep) < len(vs)
+}
