@@ -75,16 +75,17 @@
 //
 // # Concurrency
 //
-// Every method is safe for concurrent use. Apply, Reset, Unload and the
-// drops of Compact and the budget change the index and are serialised by a
-// write lock, so they apply whole revisions one at a time; the published
-// state (the store's revision, the compaction revision, the snapshot index,
-// the published key index) changes under the store's lock. Range, View and
-// the accessors never wait for a writer beyond that lock: a View holds the
-// key index published when it was taken, whose histories only ever gain
-// versions above the view's revision (keyindex.go), and the sweep gives a
-// key a new history rather than change one a view may read, so a view
-// stays readable for as long as it is held. A Range that flattens a range
-// takes the cache's own lock, and then the write lock to keep history
-// within the budget.
+// Every method is safe for concurrent use. Apply, Reset, Unload, Compact
+// and SetMaxHistoryBytes change the index (Compact and the budget through
+// the sweep) and are serialised by a write lock, so they apply whole
+// revisions one at a time; the published state (the store's revision, the
+// compaction revision, the snapshot index, the published key index)
+// changes under the store's lock, which writers hold only to publish.
+// Range, View and the accessors never wait for a writer beyond that lock:
+// a View holds the key index published when it was taken, whose histories
+// only ever gain versions above the view's revision (keyindex.go), and the
+// sweep gives a key a new history rather than change one a view may read,
+// so a view stays readable for as long as it is held. A Range that
+// flattens a range takes the cache's own lock, and then the store's lock
+// to drop snapshots while history is over the budget.
 package revtree

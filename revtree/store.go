@@ -82,7 +82,6 @@ type Store struct {
 	gen uint64
 	// pendingBytes is what dropped snapshots displaced and left in the
 	// index: the KeyValues that the index's sweep frees (sweep.go).
-	// Changed under writeMu and mu.
 	pendingBytes int64
 
 	flat flatRanges // pages of recent paginated reads; its own lock

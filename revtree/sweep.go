@@ -96,9 +96,9 @@ func (s *Store) sweepAll() {
 // sweepStretch prunes the next n keys of the running sweep and publishes
 // the index if that changed it. writeMu is held, mu is not.
 func (s *Store) sweepStretch(n int) {
-	// The snapshot index changes only under writeMu too: no lock is
-	// needed to read it here.
-	oldest, ok := s.snapshots.Min()
+	s.mu.RLock()
+	oldest, ok := s.snapshots.Min() // enforceBudget drops snapshots under mu alone
+	s.mu.RUnlock()
 	if !ok {
 		s.sweep = sweep{}
 		return
