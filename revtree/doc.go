@@ -57,7 +57,7 @@
 // snapshot and events at once. The versions only it could read, and the
 // KeyValues they hold, go when a sweep of the index next passes their key
 // (sweep.go): Compact sweeps the whole index before it returns; under the
-// budget, a sweep starts once dropped snapshots have left a sixteenth of
+// budget, a sweep starts once dropped snapshots have left a 64th of
 // history to it and advances a stretch of keys per Apply, outside the
 // store's lock. ApproxBytes counts what awaits the sweep; the budget
 // bounds retained history alone.

@@ -472,7 +472,7 @@ func (s *Store) OldestRev() int64 {
 // ApproxBytes estimates the memory of the store: the keyspace at its newest
 // revision (its KeyValues, one version of each and the index's tree), plus
 // HistoryBytes, plus what dropped snapshots left in the index until its
-// sweep frees it (at most about a sixteenth of history).
+// sweep frees it (about a 64th of history).
 func (s *Store) ApproxBytes() int64 {
 	s.mu.RLock()
 	defer s.mu.RUnlock()

@@ -15,13 +15,14 @@ import (
 // in place in the writer's tree, so that views taken before keep reading
 // the old one (keyindex.go).
 //
-// A sweep starts once dropped snapshots have left a sixteenth of retained
-// history to it, so that a key written by every revision has its versions
-// copied a bounded number of times over its life in history, not once per
-// dropped revision. It then advances a stretch of keys per Apply
+// A sweep starts once dropped snapshots have left a 64th of retained
+// history to it (sweepShare), so that a key written by every revision has
+// its versions copied a bounded number of times over its life in history,
+// not once per dropped revision, and what awaits the sweep, which the
+// budget does not count, stays small beside it. It then advances a stretch of keys per Apply
 // (sweepStretch), outside the store's lock, so that neither readers nor
 // the watch feed wait for a whole sweep: with 100,000 keys and 256 MiB of
-// history, freeing a sixteenth at once held Apply for up to 170 ms.
+// history, freeing a sixteenth at once held Apply for up to 173 ms.
 // Compact and SetMaxHistoryBytes sweep the whole index before they return
 // (sweepAll), so that what they drop is freed when they return.
 
@@ -34,26 +35,27 @@ type sweep struct {
 	freeing int64
 }
 
-// Sweep pacing: a sweep starts when pendingBytes reaches a sixteenth of
-// retained history (plus sweepMinBytes, so that small stores do not sweep
-// every few revisions; sweepThresholdLocked), and walks at least sweepMinStretch keys per Apply,
+// Sweep pacing: a sweep starts when pendingBytes reaches a sweepShare-th
+// of retained history (plus sweepMinBytes, so that small stores do not
+// sweep every few revisions; sweepThresholdLocked), and walks at least sweepMinStretch keys per Apply,
 // more in a large index, so that any sweep ends within sweepApplies
 // revisions.
 const (
+	sweepShare      = 64
 	sweepMinBytes   = 64 << 10
 	sweepMinStretch = 256
 	sweepApplies    = 1024
 )
 
 // sweepThresholdLocked is the pendingBytes at which a sweep starts: a
-// sixteenth of retained history, plus sweepMinBytes or, under a budget
-// small enough, a sixteenth of the budget. mu is held.
+// sweepShare-th of retained history, plus sweepMinBytes or, under a budget
+// small enough, a sweepShare-th of the budget. mu is held.
 func (s *Store) sweepThresholdLocked() int64 {
 	floor := int64(sweepMinBytes)
 	if s.maxHistoryBytes > 0 {
-		floor = min(floor, s.maxHistoryBytes/16)
+		floor = min(floor, s.maxHistoryBytes/sweepShare)
 	}
-	return s.historyBytes/16 + floor
+	return s.historyBytes/sweepShare + floor
 }
 
 // sweepStep walks the next stretch of the index if a sweep is running or
