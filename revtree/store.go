@@ -18,8 +18,8 @@ import (
 const DefaultDegree = 32
 
 // DefaultMaxHistoryBytes is the default history budget (--max-history-bytes):
-// 256 MiB, about 600,000 revisions of single-key writes of 100-byte
-// values (about 440 bytes each, BenchmarkRetainedRevisionBytes). See
+// 256 MiB, about 650,000 revisions of single-key writes of 100-byte
+// values (about 400 bytes each, BenchmarkRetainedRevisionBytes). See
 // docs/architecture.md for why a 2-core, 4 GiB node survives it.
 const DefaultMaxHistoryBytes = 256 << 20
 
@@ -317,6 +317,7 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 	s.indexBytes += indexBytes
 	s.historyBytes += snap.bytes
 	s.trimLocked()
+	s.startSweepLocked()
 	s.mu.Unlock()
 	// Readers are not held up by the sweep: it changes only the
 	// writer's index until it publishes.

@@ -37,9 +37,9 @@ type sweep struct {
 
 // Sweep pacing: a sweep starts when pendingBytes reaches a sweepShare-th
 // of retained history (plus sweepMinBytes, so that small stores do not
-// sweep every few revisions; sweepThresholdLocked), and walks at least sweepMinStretch keys per Apply,
-// more in a large index, so that any sweep ends within sweepApplies
-// revisions.
+// sweep every few revisions; sweepThresholdLocked), and walks at least
+// sweepMinStretch keys per Apply, more in a large index, so that any sweep
+// ends within sweepApplies revisions.
 const (
 	sweepShare      = 64
 	sweepMinBytes   = 64 << 10
@@ -58,23 +58,25 @@ func (s *Store) sweepThresholdLocked() int64 {
 	return s.historyBytes/sweepShare + floor
 }
 
-// sweepStep walks the next stretch of the index if a sweep is running or
-// due. writeMu is held, mu is not.
-func (s *Store) sweepStep() {
-	if !s.sweep.running {
-		s.mu.RLock()
-		pending := s.pendingBytes
-		due := pending > 0 && (pending >= s.sweepThresholdLocked() ||
-			// Trimming reached the newest snapshot: only the sweep
-			// can bring history back within the budget.
-			s.maxHistoryBytes > 0 && s.historyBytesLocked() > s.maxHistoryBytes)
-		s.mu.RUnlock()
-		if !due {
-			return
-		}
-		s.sweep = sweep{running: true, freeing: pending}
+// startSweepLocked starts a sweep if none runs and one is due: dropped
+// snapshots left enough to it, or trimming reached the newest snapshot
+// and only the sweep can bring history back within the budget. writeMu
+// and mu are held.
+func (s *Store) startSweepLocked() {
+	if s.sweep.running || s.pendingBytes == 0 {
+		return
 	}
-	s.sweepStretch(max(sweepMinStretch, s.index.Len()/sweepApplies))
+	if s.pendingBytes >= s.sweepThresholdLocked() || s.maxHistoryBytes > 0 && s.historyBytesLocked() > s.maxHistoryBytes {
+		s.sweep = sweep{running: true, freeing: s.pendingBytes}
+	}
+}
+
+// sweepStep walks the next stretch of the running sweep, if any. writeMu
+// is held, mu is not.
+func (s *Store) sweepStep() {
+	if s.sweep.running {
+		s.sweepStretch(max(sweepMinStretch, s.index.Len()/sweepApplies))
+	}
 }
 
 // sweepAll finishes the running sweep, if any, and sweeps the whole index
@@ -125,6 +127,10 @@ func (s *Store) sweepStretch(n int) {
 		}
 		return true
 	})
+	if len(changes) == 0 && next != nil {
+		s.sweep.next = next // nothing to publish or count yet
+		return
+	}
 	var bytes int64
 	var keys int
 	for _, c := range changes {

@@ -35,7 +35,12 @@ func (s *Store) CorruptForTest(kv *mvccpb.KeyValue) {
 	} else {
 		vs = append(vs, version{rev: newest.rev, kv: kv})
 	}
-	if _, replaced := s.index.ReplaceOrInsert(newKeyHistory(vs, len(vs))); !replaced {
+	// The index's memory estimate follows the new history.
+	nh := newKeyHistory(vs, len(vs))
+	s.indexBytes += keyHistoryBytes(len(vs))
+	if old, replaced := s.index.ReplaceOrInsert(nh); replaced {
+		s.indexBytes -= keyHistoryBytes(len(old.list.Load().v))
+	} else {
 		s.indexKeys++
 	}
 	s.indexChanged = true
