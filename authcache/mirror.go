@@ -54,6 +54,8 @@ type Mirror struct {
 	// status is the AuthStatus that proofs share (Status).
 	status *coalesce.Call[*pb.AuthStatusResponse]
 	kick   chan struct{} // a poll is wanted now
+	// knownc is closed when the auth state is first known (Known).
+	knownc chan struct{}
 
 	mu sync.Mutex
 	// Guarded by mu.
@@ -73,7 +75,7 @@ func NewMirror(cfg MirrorConfig) *Mirror {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
-	m := &Mirror{cfg: cfg, kick: make(chan struct{}, 1), changed: make(chan struct{})}
+	m := &Mirror{cfg: cfg, kick: make(chan struct{}, 1), knownc: make(chan struct{}), changed: make(chan struct{})}
 	m.status = coalesce.New(func(ctx context.Context) (*pb.AuthStatusResponse, error) {
 		ctx, cancel := context.WithTimeout(ctx, statusTimeout)
 		defer cancel()
@@ -173,7 +175,8 @@ func (m *Mirror) observe(enabled bool, rev uint64) (stale bool) {
 	if enabled != m.enabled || !m.known {
 		m.cfg.Logger.Info("etcd auth", zap.Bool("enabled", enabled), zap.Uint64("auth-revision", rev))
 	}
-	m.known, m.enabled = true, enabled
+	m.setKnownLocked()
+	m.enabled = enabled
 	if !enabled && rev == 0 {
 		return false
 	}
@@ -193,13 +196,26 @@ func (m *Mirror) observe(enabled bool, rev uint64) (stale bool) {
 // have judged go to etcd.
 func (m *Mirror) Observed(enabled bool) {
 	m.mu.Lock()
-	m.known, m.enabled = true, enabled
+	m.setKnownLocked()
+	m.enabled = enabled
 	if m.checker != nil && m.checker.Enabled() != enabled {
 		m.checker = nil
 	}
 	m.mu.Unlock()
 	m.poke()
 }
+
+// setKnownLocked records that the auth state is known; m.mu is held.
+func (m *Mirror) setKnownLocked() {
+	if !m.known {
+		m.known = true
+		close(m.knownc)
+	}
+}
+
+// Known returns a channel closed once the auth state is first known:
+// readiness waits for it (a read before then costs etcd an AuthStatus).
+func (m *Mirror) Known() <-chan struct{} { return m.knownc }
 
 // Enabled reports whether etcd has auth enabled, as of the last poll, and
 // whether any poll has answered yet.

@@ -264,10 +264,13 @@ func TestMaintenanceThroughProxy(t *testing.T) {
 	if got := c.proxy.Follower().UpstreamVersion(); got != d.Version {
 		t.Fatalf("the follower saw upstream version %q, etcd is %q", got, d.Version)
 	}
-	h, err := healthpb.NewHealthClient(c.viaProxy.ActiveConnection()).Check(ctx, &healthpb.HealthCheckRequest{})
-	if err != nil || h.Status != healthpb.HealthCheckResponse_SERVING {
-		t.Fatalf("health: %v %v", h, err)
-	}
+	// The health service turns SERVING once the cache is loaded and
+	// etcd's auth state is known, which may come just after the load.
+	hc := healthpb.NewHealthClient(c.viaProxy.ActiveConnection())
+	testsupport.WaitFor(t, waitTimeout, "health SERVING", func() bool {
+		h, err := hc.Check(ctx, &healthpb.HealthCheckRequest{})
+		return err == nil && h.Status == healthpb.HealthCheckResponse_SERVING
+	})
 }
 
 // collectEvents reads a watch channel until it has seen revision upTo.

@@ -582,7 +582,9 @@ func (s *Server) followReadiness(ctx context.Context) {
 	t := time.NewTicker(readinessInterval)
 	defer t.Stop()
 	serving := false
-	loaded := s.follower.Ready() // nil once closed: turn SERVING at once when it is
+	// Each nil once closed: turn SERVING at once when the last one is,
+	// rather than at the next tick.
+	loaded, authKnown := s.follower.Ready(), s.authMirror.Known()
 	for {
 		err := s.notReady()
 		switch {
@@ -599,6 +601,8 @@ func (s *Server) followReadiness(ctx context.Context) {
 			return
 		case <-loaded:
 			loaded = nil
+		case <-authKnown:
+			authKnown = nil
 		case <-t.C:
 		}
 	}
