@@ -32,6 +32,7 @@ var (
 	cmpConns   = flag.Int("snapcache.e2e.conns", 4, "gRPC connections (clientv3 clients) per side that the closed-loop goroutines share round-robin")
 	cmpAuth    = flag.Bool("snapcache.e2e.auth", false, "etcd with auth enabled: the proxy runs as root, the load authenticates as a user with read-write access to /registry/")
 	cmpTimeout = flag.Duration("snapcache.e2e.op-timeout", time.Minute, "timeout of one op (a round fails past it)")
+	cmpPprof   = flag.Bool("snapcache.e2e.pprof", false, "serve etcd's and the proxy's /debug/pprof/ and log where, to profile them while a benchmark runs")
 )
 
 // Users of the auth runs (-snapcache.e2e.auth).
@@ -90,8 +91,11 @@ func dial(tb testing.TB, endpoint string, tlsCfg *tls.Config, user, password str
 // the benchmarks read from memory.
 func newPairEnv(b *testing.B) *pairEnv {
 	b.Helper()
-	env := &pairEnv{etcd: startEtcd(b), auth: *cmpAuth}
-	var proxyArgs []string
+	var etcdArgs, proxyArgs []string
+	if *cmpPprof {
+		etcdArgs, proxyArgs = []string{"--enable-pprof"}, []string{"--enable-pprof"}
+	}
+	env := &pairEnv{etcd: startEtcd(b, etcdArgs...), auth: *cmpAuth}
 	user, password := "", ""
 	if env.auth {
 		setUpAuth(b, env.etcd.endpoint, nil)
@@ -102,6 +106,10 @@ func newPairEnv(b *testing.B) *pairEnv {
 		env.loader = dial(b, env.etcd.endpoint, nil, "", "")
 	}
 	env.proxy = startProxyProcess(b, env.etcd.endpoint, proxyArgs...)
+	if *cmpPprof {
+		// Printed at once: a benchmark's log comes out when it ends.
+		fmt.Printf("PPROF %s: etcd %s/debug/pprof/, proxy %s/debug/pprof/\n", b.Name(), env.etcd.endpoint, env.proxy.endpoint)
+	}
 	env.etcdS = env.newSide(b, "etcd", env.etcd.endpoint, user, password)
 	env.proxyS = env.newSide(b, "proxy", env.proxy.endpoint, user, password)
 	return env

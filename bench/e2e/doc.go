@@ -50,6 +50,11 @@
 // The rounds do not depend on -benchtime: with `-benchtime 1x` (or any
 // shorter than a benchmark's run) each benchmark runs once.
 //
+// With -snapcache.e2e.pprof, etcd and the proxy serve /debug/pprof/ and
+// the benchmark prints where (a PPROF line on stdout), so that either
+// can be profiled while its rounds run, for example with `go tool pprof
+// -seconds 20 <proxy>/debug/pprof/profile`.
+//
 // Benchmarks:
 //
 //   - BenchmarkLinearizableGet: a linearizable single-key Get (kube-
