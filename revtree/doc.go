@@ -39,9 +39,9 @@
 // than the floor of 6: snapshots 4 and 5 go, 6 stays because a read at
 // exactly the compaction revision is still valid in etcd. A read at 5 is
 // then ErrCompacted. The index is then swept of the versions only dropped
-// revisions could read: a keeps only its delete at 6, which a read at 6
-// needs; once snapshot 6 goes too, a leaves the index (no retained
-// revision comes before its delete), and once 7 goes, b keeps only b@7.
+// revisions could read: a leaves the index, since its newest version at or
+// below 6 is its delete and no retained revision can see a@2; b keeps
+// both of its versions until snapshot 6 goes too, and then only b@7.
 //
 // # Memory
 //

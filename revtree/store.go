@@ -318,10 +318,15 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 	s.historyBytes += snap.bytes
 	s.trimLocked()
 	s.startSweepLocked()
+	overdue := s.sweepOverdueLocked()
 	s.mu.Unlock()
 	// Readers are not held up by the sweep: it changes only the
 	// writer's index until it publishes.
-	s.sweepStep()
+	if overdue {
+		s.sweepAll()
+	} else {
+		s.sweepStep()
+	}
 	return events, nil
 }
 

@@ -25,6 +25,16 @@ import (
 // history, freeing a sixteenth at once held Apply for up to 173 ms.
 // Compact and SetMaxHistoryBytes sweep the whole index before they return
 // (sweepAll), so that what they drop is freed when they return.
+//
+// At that pace a sweep of a large index takes up to sweepApplies
+// revisions, and a key it has passed keeps what later drops displace
+// until the next sweep comes by: with large values rewritten at every
+// revision, that could grow past the budget (100,000 keys, a 64 KiB value
+// per revision: 55 MiB awaited the sweep under a 4 MiB budget). So once
+// pendingBytes passes sweepCapShare sweep thresholds, Apply finishes the
+// sweep at once (sweepAll), holding up the watch feed, not readers: what
+// awaits the sweep stays under an eighth of the budget whatever is
+// written.
 
 // sweep is the state of the index's sweep; guarded by Store.writeMu.
 type sweep struct {
@@ -41,6 +51,7 @@ type sweep struct {
 // sweepMinStretch keys per Apply, more in a large index, so that any sweep
 // ends within sweepApplies revisions.
 const (
+	sweepCapShare   = 4
 	sweepShare      = 64
 	sweepMinBytes   = 64 << 10
 	sweepMinStretch = 256
@@ -56,6 +67,13 @@ func (s *Store) sweepThresholdLocked() int64 {
 		floor = min(floor, s.maxHistoryBytes/sweepShare)
 	}
 	return s.historyBytes/sweepShare + floor
+}
+
+// sweepOverdueLocked reports whether what awaits the sweep has passed
+// sweepCapShare thresholds: at most an eighth of the budget, since history
+// is within it. mu is held.
+func (s *Store) sweepOverdueLocked() bool {
+	return s.pendingBytes > sweepCapShare*s.sweepThresholdLocked()
 }
 
 // startSweepLocked starts a sweep if none runs and one is due: dropped
