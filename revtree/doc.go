@@ -55,9 +55,9 @@
 //
 // A snapshot dropped from the store (by Compact or the budget) frees its
 // snapshot and events at once. The versions only it could read, and the
-// KeyValues they hold, go when a sweep of the index next passes their key
-// (sweep.go): Compact sweeps the whole index before it returns; under the
-// budget, a sweep starts once dropped snapshots have left a 64th of
+// KeyValues they hold, go when a sweep prunes their keys, which the drop
+// marks (sweep.go): Compact sweeps every marked key before it returns;
+// under the budget, a sweep starts once dropped snapshots have left a 64th of
 // history to it and advances a stretch of keys per Apply, outside the
 // store's lock. ApproxBytes counts what awaits the sweep; the budget
 // bounds retained history alone.

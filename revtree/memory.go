@@ -48,7 +48,7 @@ import (
 // index keeps for it, and the flattened-range cache. Dropping the oldest
 // snapshot frees its snapshot and events at once; the KeyValues it
 // displaced, and the versions that held them, once the index's sweep
-// passes their keys (sweep.go). Until then ApproxBytes counts them
+// prunes their keys (sweep.go). Until then ApproxBytes counts them
 // (pendingBytes), the budget does not.
 //
 // TestMemoryEstimate checks these estimates against the live heap
@@ -106,6 +106,11 @@ var (
 		20 // the slot in the snapshot index: a degree-32 B-tree of pointers, appended in order, so half-full nodes
 	keyHistoryStructBytes = sizeClass(int64(unsafe.Sizeof(keyHistory{}))) + sizeClass(int64(unsafe.Sizeof(versions{})))
 )
+
+// dirtyKeyBytes estimates a key marked for the sweep: its entry in the
+// map of marks (a string header and a control byte, in a table at most
+// 7/8 full that doubles as it grows) and in the sweep's sorted list.
+const dirtyKeyBytes = 48
 
 // versionArrayBytes is the heap an array of capacity versions takes.
 func versionArrayBytes(capacity int) int64 {

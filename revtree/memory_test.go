@@ -262,10 +262,10 @@ func TestFlatRangesCounted(t *testing.T) {
 
 // TestSweepKeepsUpWithLargeValues: what dropped snapshots leave to the
 // sweep stays within an eighth of the budget, and the heap within the
-// budget's reach, even where a sweep at its own pace would fall behind: a
-// large index (80 Applies per sweep) and a 64 KiB value rewritten at every
-// revision, which the budget drops about as fast. A sweep at its pace
-// left 5 MiB awaiting it under a 1 MiB budget.
+// budget's reach, with a large index and a 64 KiB value rewritten at every
+// revision, which the budget drops about as fast. A sweep that walked the
+// whole index in stretches of 256 keys per Apply left 5 MiB awaiting it
+// under a 1 MiB budget.
 func TestSweepKeepsUpWithLargeValues(t *testing.T) {
 	const (
 		keys   = 20_000

@@ -56,7 +56,8 @@ type Store struct {
 	// indexChanged: a key was inserted, removed or given a new history
 	// since the index was last published.
 	indexChanged bool
-	// sweep is the walk of the index that prunes it (sweep.go).
+	// sweep is the running prune of the keys dropped history marked
+	// (sweep.go).
 	sweep sweep
 
 	mu sync.RWMutex
@@ -81,8 +82,12 @@ type Store struct {
 	// flattened-range cache whether its snapshot can still be the store's.
 	gen uint64
 	// pendingBytes is what dropped snapshots displaced and left in the
-	// index: the KeyValues that the index's sweep frees (sweep.go).
+	// index: the KeyValues that the index's sweep frees (sweep.go), and
+	// the marks of their keys.
 	pendingBytes int64
+	// dirty marks the keys of the snapshots dropped since the running
+	// sweep, if any, took the marks: the keys whose versions it prunes.
+	dirty map[string]struct{}
 
 	flat flatRanges // pages of recent paginated reads; its own lock
 }
@@ -182,6 +187,7 @@ func (s *Store) dropOldestLocked() {
 	oldest, _ := s.snapshots.DeleteMin()
 	s.historyBytes -= oldest.bytes
 	s.pendingBytes += oldest.displaced
+	s.markDirtyLocked(oldest.events)
 	next, _ := s.snapshots.Min()
 	s.flat.dropBelow(s.gen, next.rev)
 }
@@ -226,7 +232,7 @@ func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
 	s.loaded = true
 	s.liveBytes, s.historyBytes, s.indexBytes = live, 0, indexBytes
 	s.liveKeys, s.indexKeys = index.Len(), index.Len()
-	s.pendingBytes, s.sweep = 0, sweep{}
+	s.pendingBytes, s.sweep, s.dirty = 0, sweep{}, nil
 	s.gen++
 	s.flat.dropBelow(s.gen, rev)
 }
@@ -247,7 +253,7 @@ func (s *Store) Unload() {
 	s.loaded = false
 	s.liveBytes, s.historyBytes, s.indexBytes = 0, 0, 0
 	s.liveKeys, s.indexKeys = 0, 0
-	s.pendingBytes, s.sweep = 0, sweep{}
+	s.pendingBytes, s.sweep, s.dirty = 0, sweep{}, nil
 	s.gen++
 	s.flat.dropBelow(s.gen, 0)
 }
@@ -478,7 +484,7 @@ func (s *Store) OldestRev() int64 {
 // ApproxBytes estimates the memory of the store: the keyspace at its newest
 // revision (its KeyValues, one version of each and the index's tree), plus
 // HistoryBytes, plus what dropped snapshots left in the index until its
-// sweep frees it (about a 64th of history).
+// sweep frees it (about a 64th of history, at most an eighth of the budget).
 func (s *Store) ApproxBytes() int64 {
 	s.mu.RLock()
 	defer s.mu.RUnlock()

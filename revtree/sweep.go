@@ -2,54 +2,58 @@ package revtree
 
 import (
 	"sort"
+	"unsafe"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
 )
 
 // The sweep: freeing what dropped snapshots leave in the key index.
 //
 // Dropping a snapshot frees its events at once, but the KeyValues it
-// displaced are still held by their keys' versions. The sweep walks the
-// index in key order and prunes each key (pruned): every version before
-// its newest at or below the oldest retained revision goes, that one too
-// if it is a delete, and the key itself if nothing is left. A key whose
-// versions change gets a new keyHistory with the rest of its versions, put
-// in place in the writer's tree, so that views taken before keep reading
-// the old one (keyindex.go).
+// displaced are still held by their keys' versions. Those keys are the
+// keys of its events: dropping it marks them (Store.dirty), and the sweep
+// prunes each marked key (pruned): every version before its newest at or
+// below the oldest retained revision goes, that one too if it is a
+// delete, and the key itself if nothing is left. A key whose versions
+// change gets a new keyHistory with the rest of its versions, put in place
+// in the writer's tree, so that views taken before keep reading the old
+// one (keyindex.go). A sweep visits the keys that history dropped, not the
+// whole index: its cost follows what was written, not the keyspace. (A
+// version a snapshot's events displaced is unreadable once the snapshot
+// before it goes, and freed once the snapshot itself goes: the budget
+// counts it, in the snapshot's bytes, until then.)
 //
 // A sweep starts once dropped snapshots have left a 64th of retained
 // history to it (sweepShare), so that a key written by every revision has
 // its versions copied a bounded number of times over its life in history,
 // not once per dropped revision, and what awaits the sweep, which the
-// budget does not count, stays small beside it. It then advances a stretch of keys per Apply
-// (sweepStretch), outside the store's lock, so that neither readers nor
-// the watch feed wait for a whole sweep: with 100,000 keys and 256 MiB of
-// history, freeing a sixteenth at once held Apply for up to 173 ms.
-// Compact and SetMaxHistoryBytes sweep the whole index before they return
-// (sweepAll), so that what they drop is freed when they return.
-//
-// At that pace a sweep of a large index takes up to sweepApplies
-// revisions, and a key it has passed keeps what later drops displace
-// until the next sweep comes by: with large values rewritten at every
-// revision, that could grow past the budget (100,000 keys, a 64 KiB value
-// per revision: 55 MiB awaited the sweep under a 4 MiB budget). So once
-// pendingBytes passes sweepCapShare sweep thresholds, Apply finishes the
-// sweep at once (sweepAll), holding up the watch feed, not readers: what
-// awaits the sweep stays under an eighth of the budget whatever is
-// written.
+// budget does not count, stays small beside it. It takes every marked key
+// at once, and then prunes a stretch of them per Apply (sweepStretch),
+// outside the store's lock, so that neither readers nor the watch feed
+// wait for a whole sweep. Compact and SetMaxHistoryBytes sweep everything
+// marked before they return (sweepAll), so that what they drop is freed
+// when they return, and so does Apply once what awaits the sweep passes
+// sweepCapShare start thresholds (large values rewritten faster than the
+// stretches go): what awaits the sweep stays under an eighth of the budget
+// whatever is written.
 
-// sweep is the state of the index's sweep; guarded by Store.writeMu.
+// sweep is the state of the running sweep; guarded by Store.writeMu.
 type sweep struct {
 	running bool
-	next    []byte // the first key of the next stretch; nil: from the start
-	// freeing is the pendingBytes the sweep frees once it has walked
-	// the whole index: what was pending when it began.
+	marked  map[string]struct{} // the marks it took, until keys lists them
+	keys    []string            // the keys it prunes, in key order
+	next    int                 // keys[next:] are still to prune
+	// freeing is the pendingBytes the sweep frees once it has pruned
+	// every key: what was pending when it took the keys.
 	freeing int64
 }
 
 // Sweep pacing: a sweep starts when pendingBytes reaches a sweepShare-th
 // of retained history (plus sweepMinBytes, so that small stores do not
-// sweep every few revisions; sweepThresholdLocked), and walks at least
-// sweepMinStretch keys per Apply, more in a large index, so that any sweep
-// ends within sweepApplies revisions.
+// sweep every few revisions; sweepThresholdLocked), and prunes at least
+// sweepMinStretch keys per Apply, more in a large sweep, so that any sweep
+// ends within sweepApplies revisions. Apply finishes a sweep at once when
+// pendingBytes passes sweepCapShare thresholds.
 const (
 	sweepCapShare   = 4
 	sweepShare      = 64
@@ -57,6 +61,26 @@ const (
 	sweepMinStretch = 256
 	sweepApplies    = 1024
 )
+
+// markDirtyLocked marks the keys of a dropped snapshot's events for the
+// sweep, counting each newly marked key in pendingBytes. The map's keys
+// alias the stored KeyValues' keys, which never change. mu is held.
+func (s *Store) markDirtyLocked(events []*mvccpb.Event) {
+	for _, ev := range events {
+		key := ev.Kv.Key
+		if len(key) == 0 {
+			continue
+		}
+		k := unsafe.String(unsafe.SliceData(key), len(key))
+		if _, ok := s.dirty[k]; !ok {
+			if s.dirty == nil {
+				s.dirty = make(map[string]struct{})
+			}
+			s.dirty[k] = struct{}{}
+			s.pendingBytes += dirtyKeyBytes
+		}
+	}
+}
 
 // sweepThresholdLocked is the pendingBytes at which a sweep starts: a
 // sweepShare-th of retained history, plus sweepMinBytes or, under a budget
@@ -85,33 +109,57 @@ func (s *Store) startSweepLocked() {
 		return
 	}
 	if s.pendingBytes >= s.sweepThresholdLocked() || s.maxHistoryBytes > 0 && s.historyBytesLocked() > s.maxHistoryBytes {
-		s.sweep = sweep{running: true, freeing: s.pendingBytes}
+		s.takeDirtyLocked()
 	}
 }
 
-// sweepStep walks the next stretch of the running sweep, if any. writeMu
+// takeDirtyLocked starts a sweep of every marked key. No sweep runs.
+// writeMu and mu are held; the sweep lists the keys once mu is not.
+func (s *Store) takeDirtyLocked() {
+	s.sweep = sweep{running: true, marked: s.dirty, freeing: s.pendingBytes}
+	s.dirty = nil
+}
+
+// sweepStep prunes the next stretch of the running sweep, if any. writeMu
 // is held, mu is not.
 func (s *Store) sweepStep() {
 	if s.sweep.running {
-		s.sweepStretch(max(sweepMinStretch, s.index.Len()/sweepApplies))
+		s.listMarked()
+		s.sweepStretch(max(sweepMinStretch, len(s.sweep.keys)/sweepApplies))
 	}
 }
 
-// sweepAll finishes the running sweep, if any, and sweeps the whole index
-// again if that leaves anything pending: everything dropped so far is
-// freed when it returns. writeMu is held, mu is not.
+// listMarked lists the running sweep's marks in key order, so that each
+// stretch walks one region of the tree, if it has not yet. writeMu is
+// held, mu is not: sorting many keys does not hold up readers.
+func (s *Store) listMarked() {
+	if s.sweep.marked == nil {
+		return
+	}
+	keys := make([]string, 0, len(s.sweep.marked))
+	for k := range s.sweep.marked {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	s.sweep.keys, s.sweep.marked = keys, nil
+}
+
+// sweepAll finishes the running sweep, if any, and sweeps again while that
+// leaves anything pending: everything dropped so far is freed when it
+// returns. writeMu is held, mu is not.
 func (s *Store) sweepAll() {
 	for {
 		if !s.sweep.running {
-			s.mu.RLock()
-			pending := s.pendingBytes
-			s.mu.RUnlock()
-			if pending == 0 {
+			s.mu.Lock()
+			if s.pendingBytes == 0 {
+				s.mu.Unlock()
 				return
 			}
-			s.sweep = sweep{running: true, freeing: pending}
+			s.takeDirtyLocked()
+			s.mu.Unlock()
 		}
-		s.sweepStretch(s.index.Len() + 1)
+		s.listMarked()
+		s.sweepStretch(len(s.sweep.keys))
 	}
 }
 
@@ -129,13 +177,12 @@ func (s *Store) sweepStretch(n int) {
 		old, new *keyHistory // new is nil when the key goes
 	}
 	var changes []change
-	var next []byte
-	s.index.AscendGreaterOrEqual(&keyHistory{key: s.sweep.next}, func(h *keyHistory) bool {
-		if n == 0 {
-			next = h.key
-			return false
+	end := min(s.sweep.next+n, len(s.sweep.keys))
+	for _, k := range s.sweep.keys[s.sweep.next:end] {
+		h, ok := s.index.Get(&keyHistory{key: unsafe.Slice(unsafe.StringData(k), len(k))})
+		if !ok {
+			continue // an earlier sweep removed it
 		}
-		n--
 		if vs, ok := pruned(h.published(), oldest.rev); ok {
 			var nh *keyHistory
 			if len(vs) > 0 {
@@ -143,10 +190,10 @@ func (s *Store) sweepStretch(n int) {
 			}
 			changes = append(changes, change{old: h, new: nh})
 		}
-		return true
-	})
-	if len(changes) == 0 && next != nil {
-		s.sweep.next = next // nothing to publish or count yet
+	}
+	done := end == len(s.sweep.keys)
+	if len(changes) == 0 && !done {
+		s.sweep.next = end // nothing to publish or count yet
 		return
 	}
 	var bytes int64
@@ -169,8 +216,8 @@ func (s *Store) sweepStretch(n int) {
 	}
 	s.indexBytes += bytes
 	s.indexKeys += keys
-	s.sweep.next = next
-	if next == nil {
+	s.sweep.next = end
+	if done {
 		s.pendingBytes -= s.sweep.freeing
 		s.sweep = sweep{}
 	}
