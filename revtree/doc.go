@@ -38,10 +38,11 @@
 // Compact(6) records compaction revision 6 and drops every snapshot older
 // than the floor of 6: snapshots 4 and 5 go, 6 stays because a read at
 // exactly the compaction revision is still valid in etcd. A read at 5 is
-// then ErrCompacted. The index is then swept of the versions only dropped
-// revisions could read: a leaves the index, since its newest version at or
-// below 6 is its delete and no retained revision can see a@2; b keeps
-// both of its versions until snapshot 6 goes too, and then only b@7.
+// then ErrCompacted. The sweep then prunes the keys of the dropped
+// snapshots' events (here c, which loses nothing). A version goes with the
+// snapshot whose event displaced it, whose bytes count it until then: a@2
+// stays beside a's delete until snapshot 6 goes, and a then leaves the
+// index; b@4 stays until snapshot 7 goes.
 //
 // # Memory
 //

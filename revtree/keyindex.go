@@ -12,8 +12,8 @@ import (
 //
 // The store's index is a copy-on-write B-tree of *keyHistory ordered by
 // key, holding every key that has a version some retained revision can
-// see: the live keys, and the deleted ones until history no longer
-// reaches back to before their delete. A read at revision R walks the
+// see: the live keys, and the deleted ones until the snapshot of their
+// delete is dropped and the sweep comes by (sweep.go). A read at revision R walks the
 // index over the requested range and takes, of each key, its newest
 // version at or below R (keyHistory.at); a delete's version has no
 // KeyValue, so the key is absent from R on. No tree is copied per

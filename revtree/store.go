@@ -133,7 +133,8 @@ func New(degree int) *Store {
 // them, but the compaction revision stays: reads below the new oldest
 // snapshot get ErrNotRetained (etcd still answers them), and EventsFrom
 // below the new history start too. The newest snapshot always stays.
-// max <= 0 removes the bound. What it drops is freed before it returns.
+// max <= 0 removes the bound. What the snapshots it drops displaced is
+// freed before it returns.
 func (s *Store) SetMaxHistoryBytes(max int64) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()

@@ -63,8 +63,10 @@ const (
 )
 
 // markDirtyLocked marks the keys of a dropped snapshot's events for the
-// sweep, counting each newly marked key in pendingBytes. The map's keys
-// alias the stored KeyValues' keys, which never change. mu is held.
+// sweep, counting each newly marked key in pendingBytes. The marks alias
+// the events' keys, which never change: a put's is its stored entry's
+// (entry.go), a delete's its tombstone's, which the mark then keeps alive
+// and counts. mu is held.
 func (s *Store) markDirtyLocked(events []*mvccpb.Event) {
 	for _, ev := range events {
 		key := ev.Kv.Key
@@ -78,6 +80,9 @@ func (s *Store) markDirtyLocked(events []*mvccpb.Event) {
 			}
 			s.dirty[k] = struct{}{}
 			s.pendingBytes += dirtyKeyBytes
+			if ev.Type == mvccpb.DELETE {
+				s.pendingBytes += bytesAlloc(len(key))
+			}
 		}
 	}
 }
@@ -170,7 +175,12 @@ func (s *Store) sweepStretch(n int) {
 	oldest, ok := s.snapshots.Min() // enforceBudget drops snapshots under mu alone
 	s.mu.RUnlock()
 	if !ok {
+		// Never while loaded (the newest snapshot always stays; Unload
+		// clears what is pending): end the sweep so that sweepAll ends.
+		s.mu.Lock()
+		s.pendingBytes -= s.sweep.freeing
 		s.sweep = sweep{}
+		s.mu.Unlock()
 		return
 	}
 	type change struct {
