@@ -13,13 +13,18 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -130,6 +135,9 @@ type matrixEnv struct {
 	// revocation subtests (tokenTLS is its TLS configuration).
 	tokenCaller string
 	tokenTLS    func(*testing.T) *tls.Config
+	// certTLS is the TLS configuration of the caller whose certificate
+	// names cn (cert mode only).
+	certTLS func(t *testing.T, cn string) *tls.Config
 	// leaseA is attached to /alice/leased, leaseS to /secret/leased.
 	leaseA, leaseS int64
 	// r0 is a revision before the proxy's load: older than its history.
@@ -232,7 +240,7 @@ func startCertMatrix(t *testing.T) *matrixEnv {
 	}
 	tlsFor := func(t *testing.T, cn string) *tls.Config { return pki.tlsConfig(t, certs[cn][0], certs[cn][1]) }
 	curl := startTLSEtcd(t, pki, dir)
-	env := &matrixEnv{mode: "cert", etcdEP: curl.String(), tokenCaller: "nocn", tokenTLS: func(t *testing.T) *tls.Config { return tlsFor(t, "") }}
+	env := &matrixEnv{mode: "cert", etcdEP: curl.String(), tokenCaller: "nocn", tokenTLS: func(t *testing.T) *tls.Config { return tlsFor(t, "") }, certTLS: tlsFor}
 	setUpAuth(t, callerClient(t, env.etcdEP, "", "", tlsFor(t, "root")))
 	env.root = callerClient(t, env.etcdEP, "", "", tlsFor(t, "root"))
 	env.r0 = env.etcdRev(t) - 1
@@ -1124,6 +1132,74 @@ func (env *matrixEnv) testRevocation(t *testing.T) {
 		followEtcd(t, authFollowWithin, "alice's old token to be refused (linearizable)", etcd, proxy, aliceX, errInvalidToken)
 	})
 
+	// etcd does not check the token an Authenticate carries, so another
+	// user's Authenticate through the proxy with a dead token proves
+	// nothing of it: the token stays refused.
+	t.Run("dead-token-stays-dead", func(t *testing.T) {
+		base := env.caller(env.tokenCaller)
+		token := authenticate(t, base.proxy, "alice", "alicepw")
+		etcd := tokenClient(t, env.etcdEP, authenticate(t, base.etcd, "alice", "alicepw"), env.tokenTLS(t))
+		proxy := tokenClient(t, env.proxyEP, token, env.tokenTLS(t))
+		// A second token of alice's shows when the proxy has followed the
+		// change, without using (and so ending) the first one there.
+		probe := tokenClient(t, env.proxyEP, authenticate(t, base.proxy, "alice", "alicepw"), env.tokenTLS(t))
+		env.waitSynced(t)
+		followEtcd(t, waitTimeout, "alice's token read before the change", etcd, proxy, aliceXSer, "")
+		followEtcd(t, waitTimeout, "alice's second token read before the change", etcd, probe, aliceXSer, "")
+		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+		defer cancel()
+		if _, err := root.UserChangePassword(ctx, "alice", "alicepw2"); err != nil {
+			t.Fatal(err)
+		}
+		defer func() {
+			if _, err := root.UserChangePassword(ctx, "alice", "alicepw"); err != nil {
+				t.Fatal(err)
+			}
+		}()
+		followEtcd(t, authFollowWithin, "alice's second old token to be refused", etcd, probe, aliceXSer, errInvalidToken)
+		withDeadToken := metadata.AppendToOutgoingContext(ctx, rpctypes.TokenFieldNameGRPC, token)
+		if _, err := authOf(base.proxy).Authenticate(withDeadToken, &pb.AuthenticateRequest{Name: "bob", Password: "bobpw"}); err != nil {
+			t.Fatalf("bob's Authenticate carrying alice's old token: %v", err)
+		}
+		if diff, _, dErr := compareRead(etcd, proxy, aliceXSer); diff != "" || errText(dErr) != errInvalidToken {
+			t.Fatalf("alice's old token after an Authenticate that carried it: etcd %q; %s", errText(dErr), diff)
+		}
+	})
+
+	// etcd takes a token key sent empty for a token, and refuses it; the
+	// proxy must not take it for no token (an anonymous caller, or the
+	// caller's certificate).
+	t.Run("empty-token", func(t *testing.T) {
+		env.waitSynced(t)
+		// Raw connections: clientv3 retries an invalid token for seconds.
+		type rawCaller struct {
+			name        string
+			etcd, proxy pb.KVClient
+		}
+		callers := []rawCaller{{env.tokenCaller, rawKV(t, env.etcdEP, env.tokenTLS(t)), rawKV(t, env.proxyEP, env.tokenTLS(t))}}
+		if env.mode == "cert" {
+			callers = append(callers, rawCaller{"alice", rawKV(t, env.etcdEP, env.certTLS(t, "alice")), rawKV(t, env.proxyEP, env.certTLS(t, "alice"))})
+		}
+		for _, c := range callers {
+			for _, md := range [][2]string{
+				{rpctypes.TokenFieldNameGRPC, ""},
+				{rpctypes.TokenFieldNameSwagger, ""},
+				{rpctypes.TokenFieldNameSwagger, "Bearer "},
+			} {
+				for _, req := range []*pb.RangeRequest{aliceXSer, aliceX} {
+					ctx, cancel := context.WithTimeout(context.Background(), rpcTimeout)
+					ctx = metadata.AppendToOutgoingContext(ctx, md[0], md[1])
+					d, dErr := c.etcd.Range(ctx, req)
+					p, pErr := c.proxy.Range(ctx, req)
+					cancel()
+					if diff := diffOutcomes(normalize(d, false, nil), dErr, normalize(p, false, nil), pErr); diff != "" {
+						t.Errorf("%s with %s=%q: %s\n%s", c.name, md[0], md[1], fmtMsg(req), diff)
+					}
+				}
+			}
+		}
+	})
+
 	t.Run("delete-user", func(t *testing.T) {
 		etcd, proxy := env.tokenPair(t, "bob", "bobpw")
 		bob := env.caller("bob")
@@ -1192,4 +1268,21 @@ func (env *matrixEnv) testRevocation(t *testing.T) {
 			}
 		}
 	})
+}
+
+// rawKV is a KV client of ep on a plain gRPC connection, without clientv3's
+// retries and token handling.
+func rawKV(t *testing.T, ep string, tlsCfg *tls.Config) pb.KVClient {
+	t.Helper()
+	creds := insecure.NewCredentials()
+	if tlsCfg != nil {
+		creds = credentials.NewTLS(tlsCfg)
+	}
+	addr := ep[strings.Index(ep, "://")+3:]
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(creds))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return pb.NewKVClient(conn)
 }

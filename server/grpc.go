@@ -118,9 +118,12 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	pb.RegisterLeaseServer(gs, &leaseServer{upstream: pb.NewLeaseClient(conn), ka: s.keepAlives, asProxyKA: s.asProxyKeepAlives, callerOf: s.callerOf})
 	pb.RegisterClusterServer(gs, s.newClusterServer())
 	pb.RegisterMaintenanceServer(gs, grpcproxy.NewMaintenanceProxy(s.client))
-	pb.RegisterAuthServer(gs, &authServer{AuthServer: grpcproxy.NewAuthProxy(s.client), learn: func(token, user string) {
-		s.tokens.issued(token, user, s.mirroredAuthRevision())
-	}, observed: s.authMirror.Observed})
+	pb.RegisterAuthServer(gs, &authServer{
+		AuthServer: grpcproxy.NewAuthProxy(s.client),
+		revision:   s.mirroredAuthRevision,
+		learn:      s.tokens.issued,
+		observed:   s.authMirror.Observed,
+	})
 	v3lockpb.RegisterLockServer(gs, grpcproxy.NewLockProxy(s.client))
 	v3electionpb.RegisterElectionServer(gs, grpcproxy.NewElectionProxy(s.client))
 	s.health = health.NewServer()

@@ -18,8 +18,10 @@ const (
 )
 
 // caller is who sends a request, as etcd's AuthInfoFromCtx decides it: a
-// token first; else, with --client-cert-auth, the common name of the
-// verified client certificate; else nobody.
+// token first (a token key sent empty too: etcd refuses it as invalid,
+// and the proxy, which cannot attribute it, leaves that to etcd); else,
+// with --client-cert-auth, the common name of the verified client
+// certificate; else nobody.
 type caller struct {
 	kind  callerKind
 	token string // tokenCaller
@@ -27,7 +29,7 @@ type caller struct {
 }
 
 func (s *Server) callerOf(ctx context.Context) caller {
-	if token, stripped := bearerTokenOf(ctx); token != "" {
+	if token, stripped, present := bearerTokenOf(ctx); present {
 		if stripped {
 			if r, err := s.rules(); err != nil || !r.BearerStripped {
 				token = "Bearer " + token // the token etcd sees: no proxy knows it

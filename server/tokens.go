@@ -28,6 +28,7 @@ type tokens struct {
 	mu sync.Mutex
 	// Guarded by mu.
 	byToken map[string]*tokenEntry
+	pruneAt int // len(byToken) at which issued prunes it
 }
 
 // tokenEntry is one token; guarded by tokens.mu.
@@ -39,14 +40,46 @@ type tokenEntry struct {
 	verifiedRev uint64
 }
 
-func newTokens() *tokens { return &tokens{byToken: map[string]*tokenEntry{}} }
+func newTokens() *tokens {
+	return &tokens{byToken: map[string]*tokenEntry{}, pruneAt: minTokensPrune}
+}
 
-// issued records a token etcd issued to user at auth revision rev.
-func (t *tokens) issued(token, user string, rev uint64) {
+// issued records a token etcd issued to user: valid at auth revision rev
+// if current, else not until etcd accepts it again (verifyToken).
+func (t *tokens) issued(token, user string, rev uint64, current bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	t.byToken[token] = &tokenEntry{user: user, verifiedAt: time.Now(), verifiedRev: rev}
+	if len(t.byToken) >= t.pruneAt {
+		t.pruneLocked()
+	}
+	e := &tokenEntry{user: user}
+	if current {
+		e.verifiedAt, e.verifiedRev = time.Now(), rev
+	}
+	t.byToken[token] = e
 }
+
+// tokenIdle is how long a token etcd has not accepted through the proxy
+// stays known. Past it, the proxy sends the token's reads to etcd rather
+// than verify it: etcd ends a simple token unused for --auth-token-ttl
+// (5 minutes by default), and one in use is verified at every
+// --auth-token-check-interval.
+const tokenIdle = 15 * time.Minute
+
+// pruneLocked forgets the tokens idle for tokenIdle, and sets the size at
+// which it runs again: twice what is left, so that it costs O(1) per
+// token issued. mu is held.
+func (t *tokens) pruneLocked() {
+	for token, e := range t.byToken {
+		if time.Since(e.verifiedAt) > tokenIdle {
+			delete(t.byToken, token)
+		}
+	}
+	t.pruneAt = max(minTokensPrune, 2*len(t.byToken))
+}
+
+// minTokensPrune is the fewest known tokens at which pruneLocked runs.
+const minTokensPrune = 1024
 
 // trusted returns the user of token if etcd accepted it within interval
 // and at auth revision rev.
@@ -68,10 +101,10 @@ func (t *tokens) known(token string) bool {
 	return t.byToken[token] != nil
 }
 
-// answered records etcd's answer to a request forwarded with token: any
-// answer but an invalid-token error proves the token valid now; that error
-// ends it.
-func (t *tokens) answered(token string, rev uint64, err error) {
+// answered records etcd's answer to a KV request forwarded with token:
+// any answer but an invalid-token error proves the token valid now, at
+// auth revision rev if current; that error ends it.
+func (t *tokens) answered(token string, rev uint64, current bool, err error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	e := t.byToken[token]
@@ -81,7 +114,7 @@ func (t *tokens) answered(token string, rev uint64, err error) {
 	switch {
 	case errors.Is(rpctypes.Error(err), rpctypes.ErrInvalidAuthToken):
 		delete(t.byToken, token)
-	case err == nil || errors.Is(rpctypes.Error(err), rpctypes.ErrPermissionDenied):
+	case current && (err == nil || errors.Is(rpctypes.Error(err), rpctypes.ErrPermissionDenied)):
 		e.verifiedAt, e.verifiedRev = time.Now(), rev
 	}
 }
@@ -90,35 +123,48 @@ func (t *tokens) answered(token string, rev uint64, err error) {
 // AuthInfoFromCtx reads it: the token key, else the authorization key,
 // whose "Bearer " prefix etcd strips (since 3.6.13: see callerOf).
 func tokenOf(ctx context.Context) string {
-	token, _ := bearerTokenOf(ctx)
+	token, _, _ := bearerTokenOf(ctx)
 	return token
 }
 
-// bearerTokenOf is tokenOf, and whether it lost a "Bearer " prefix.
-func bearerTokenOf(ctx context.Context) (token string, stripped bool) {
+// bearerTokenOf is tokenOf, whether it lost a "Bearer " prefix, and
+// whether the caller sent a token key at all: etcd takes a key that is
+// present, even empty, for a token, and refuses an empty one as invalid.
+func bearerTokenOf(ctx context.Context) (token string, stripped, present bool) {
 	// Every request asks this, at least twice: ValueFromIncomingContext
 	// copies only the key's values, which most requests do not carry,
 	// where FromIncomingContext would copy all the metadata.
 	if v := metadata.ValueFromIncomingContext(ctx, rpctypes.TokenFieldNameGRPC); len(v) > 0 {
-		return v[0], false
+		return v[0], false, true
 	}
 	if v := metadata.ValueFromIncomingContext(ctx, rpctypes.TokenFieldNameSwagger); len(v) > 0 {
 		token, stripped := strings.CutPrefix(v[0], "Bearer ")
-		return token, stripped
+		return token, stripped, true
 	}
-	return "", false
+	return "", false, false
 }
 
 // watchTokens is a client interceptor of the forwarding connection: etcd's
-// answer to a call made with a caller's token tells whether the token is
-// valid.
+// answer to a KV call made with a caller's token tells whether the token
+// is valid. Only KV calls tell: etcd checks every one's token, where it
+// skips the check for some other calls (Authenticate; LeaseLeases and
+// MemberList in some releases), whose success then proves nothing. The
+// answer counts at the mirrored auth revision only if that did not move
+// while the call was out: etcd may have checked the token before a change
+// the mirror has seen since.
 func (s *Server) watchTokens(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-	err := invoker(ctx, method, req, reply, cc, opts...)
-	if token := tokenOf(ctx); token != "" {
-		s.tokens.answered(token, s.mirroredAuthRevision(), err)
+	token := tokenOf(ctx)
+	if token == "" || !strings.HasPrefix(method, kvMethodPrefix) {
+		return invoker(ctx, method, req, reply, cc, opts...)
 	}
+	rev := s.mirroredAuthRevision()
+	err := invoker(ctx, method, req, reply, cc, opts...)
+	s.tokens.answered(token, rev, s.mirroredAuthRevision() == rev, err)
 	return err
 }
+
+// kvMethodPrefix starts the full method name of every KV call.
+const kvMethodPrefix = "/etcdserverpb.KV/"
 
 // mirroredAuthRevision is the auth revision of the mirror's checker, 0 if
 // none.
@@ -133,17 +179,23 @@ func (s *Server) mirroredAuthRevision() uint64 {
 // Authenticate issues through the proxy.
 type authServer struct {
 	pb.AuthServer
-	learn func(token, user string)
+	// revision is the mirrored auth revision (Server.mirroredAuthRevision);
+	// learn records a token issued at rev, current if the mirror did not
+	// move while Authenticate was out.
+	revision func() uint64
+	learn    func(token, user string, rev uint64, current bool)
 	// observed is told what a successful call showed of the auth state:
 	// etcd issues tokens only while auth is enabled.
 	observed func(enabled bool)
 }
 
 func (a *authServer) Authenticate(ctx context.Context, r *pb.AuthenticateRequest) (*pb.AuthenticateResponse, error) {
+	rev := a.revision()
 	resp, err := a.AuthServer.Authenticate(ctx, r)
 	if err == nil && resp.Token != "" {
+		current := a.revision() == rev
 		a.observed(true)
-		a.learn(resp.Token, r.Name)
+		a.learn(resp.Token, r.Name, rev, current)
 	}
 	return resp, err
 }
