@@ -283,6 +283,12 @@ func (st *stream) onCatchup(b catchupBatch) error {
 		return nil // the stream is ending
 	case b.done:
 		w.nextRev = max(w.nextRev, b.upTo+1)
+		// Its catch-up watch reached etcd's head: as etcd's watcher, it
+		// is synced, and a compaction etcd makes now does not cancel it.
+		// The store holds what comes next, or it has moved past it
+		// (deliverEach cancels a synced watcher whose events are gone).
+		w.synced = true
+		w.cancelCatchup() // its goroutine is done; free its context
 		w.catchingUp, w.cancelCatchup = false, nil
 		return nil
 	}

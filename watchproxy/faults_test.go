@@ -351,3 +351,39 @@ func TestWatchTimelineChangeEndsStreams(t *testing.T) {
 		t.Fatal("the stream did not end")
 	}
 }
+
+// TestWatchCaughtUpWatcherIsSynced: a watcher whose catch-up from etcd
+// reached etcd's head (a progress notification on the catch-up watch) is
+// synced, as etcd's: a compaction etcd makes after that, mirrored above the
+// store's head before the feed has delivered up to it, does not cancel it,
+// and it gets the events as the watcher synced at the head does.
+func TestWatchCaughtUpWatcherIsSynced(t *testing.T) {
+	up := newFakeUpstream()
+	w := newWorldAt(t, 10, up, nil)
+	fs := w.watch()
+	checkCreated(t, fs.create(t, &pb.WatchCreateRequest{Key: []byte("k")}), 0, 10)
+	checkCreated(t, fs.create(t, &pb.WatchCreateRequest{Key: []byte("k"), StartRevision: 3}), 1, 10)
+	us := up.next(t)
+	us.create(t)
+	us.created(t, 15)
+	blocked, release := fs.block()
+	us.events(t, 15, putEvent("k", 4))
+	waitClosed(t, blocked, "the send loop to block sending revision 4")
+	us.progress(t, 15)  // etcd's catch-up watcher is synced at its head, 15
+	w.store.Compact(13) // then etcd compacts at 13; the store is at 10
+	release()
+	if r := fs.next(t); r.WatchId != 1 || !slices.Equal(revs(r.Events), []int64{4}) {
+		t.Fatalf("got %v, want watch 1's event at 4", r)
+	}
+	for range 5 {
+		w.apply(put("k", "v")) // 11..15
+	}
+	got := map[int64][]int64{}
+	for len(got[0]) < 5 || len(got[1]) < 5 {
+		r := fs.next(t)
+		if r.Canceled {
+			t.Fatalf("after %v: %v; etcd sends both watchers 11..15", got, r)
+		}
+		got[r.WatchId] = append(got[r.WatchId], revs(r.Events)...)
+	}
+}
