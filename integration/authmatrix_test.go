@@ -1166,6 +1166,52 @@ func (env *matrixEnv) testRevocation(t *testing.T) {
 		}
 	})
 
+	// An auth change that does not concern a certificate caller leaves its
+	// reads served: the proxy waits while it reads the users and roles
+	// again, rather than refuse the caller it alone can check.
+	t.Run("unrelated-changes", func(t *testing.T) {
+		if env.mode != "cert" {
+			t.Skip("only certificate callers are checked by the proxy alone")
+		}
+		alice, bob := env.caller("alice"), env.caller("bob")
+		env.waitSynced(t)
+		followEtcd(t, waitTimeout, "alice's read before the changes", alice.etcd, alice.proxy, aliceXSer, "")
+		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+		defer cancel()
+		// readsThrough reads as alice while bob's linearizable read makes
+		// the proxy learn of the change and read the users and roles again.
+		readsThrough := func(change string) {
+			learned := make(chan struct{})
+			go func() {
+				defer close(learned)
+				kvOf(bob.proxy).Range(ctx, aliceX) // its answer does not matter
+			}()
+			for i := 0; i < 5000; i++ {
+				if _, err := kvOf(alice.proxy).Range(ctx, aliceXSer); err != nil {
+					t.Errorf("alice's read after %s: %v", change, err)
+					break
+				}
+				select {
+				case <-learned:
+					i = 5000
+				default:
+				}
+			}
+			<-learned
+		}
+		for i := range 10 {
+			role := fmt.Sprintf("unrelated-%d", i)
+			if _, err := root.RoleAdd(ctx, role); err != nil {
+				t.Fatal(err)
+			}
+			readsThrough("adding role " + role)
+			if _, err := root.RoleDelete(ctx, role); err != nil {
+				t.Fatal(err)
+			}
+			readsThrough("deleting role " + role)
+		}
+	})
+
 	// etcd takes a token key sent empty for a token, and refuses it; the
 	// proxy must not take it for no token (an anonymous caller, or the
 	// caller's certificate).

@@ -47,6 +47,11 @@ import (
 // state for; clients retry.
 var errAuthUnknown = status.Error(codes.Unavailable, "etcd-snapcache: etcd's auth state is not known yet; retry")
 
+// errAuthReading answers a certificate caller whose permissions the proxy
+// could not check within the freshness timeout because it was still
+// reading etcd's users and roles; clients retry.
+var errAuthReading = status.Error(codes.Unavailable, "etcd-snapcache: etcd's users and roles are being read; retry")
+
 // errReleaseUnknown answers a checked request while the upstream's release,
 // whose rules the check follows, is not known.
 var errReleaseUnknown = status.Error(codes.Unavailable, "etcd-snapcache: etcd's release is not known yet, so its permission rules are not; retry")
@@ -93,14 +98,14 @@ func (s *Server) authFor(ctx context.Context, c caller, fresh bool) (*authcache.
 		return nil, none, nil
 	}
 	chk := s.authMirror.Checker()
-	if rev != 0 && (chk == nil || chk.Revision() < rev) {
-		var err error
+	var chkErr error // why no checker came, when one was waited for
+	if rev != 0 && (chk == nil || chk.Revision() < rev) || chk == nil && c.kind == certCaller {
+		// A fresh auth revision, or a certificate caller while the mirror
+		// reads the users and roles again after a change: wait for them,
+		// rather than refuse a caller only the proxy can check.
 		cctx, cancel := context.WithTimeout(ctx, s.cfg.FreshnessTimeout)
-		chk, err = s.authMirror.CheckerAt(cctx, rev)
+		chk, chkErr = s.authMirror.CheckerAt(cctx, rev)
 		cancel()
-		if err != nil {
-			chk = nil
-		}
 	}
 	switch {
 	case c.kind == anonymous:
@@ -110,6 +115,11 @@ func (s *Server) authFor(ctx context.Context, c caller, fresh bool) (*authcache.
 		return chk, none, nil
 	case chk == nil && c.kind == tokenCaller:
 		return nil, none, kvproxy.ErrAskEtcd
+	case chk == nil && !errors.Is(chkErr, authcache.ErrNoMirror):
+		if ctx.Err() != nil {
+			return nil, none, status.FromContextError(ctx.Err()).Err()
+		}
+		return nil, none, errAuthReading
 	case chk == nil:
 		s.noMirrorLog.Do(func() {
 			s.lg.Error("refusing certificate-identified requests while auth is enabled: the proxy cannot read etcd's users and roles to check them; give it root credentials (--user)")
