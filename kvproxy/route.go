@@ -50,22 +50,10 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRul
 	if !r.Serializable && s.follower.Serving() && !s.inconsistent() && (!r.KeysOnly || rules.known) {
 		fence = s.beginFence(r.Revision)
 	}
-	// etcd's handler validates (done), then checks permissions: a
-	// linearizable read after its read index, whose failure (a timeout,
-	// no leader) etcd answers instead of a refusal. A refused read is
-	// never forwarded: it may be a caller the proxy checks for etcd.
+	// etcd's handler validates (done), then checks permissions.
 	switch err := s.authorize(ctx, r.Key, r.RangeEnd, !r.Serializable); {
 	case errors.Is(err, ErrAskEtcd):
 		return forwarded(reasonAuth)
-	case err != nil && fence.begun:
-		if ferr := s.waitFence(ctx, &fence); ferr != nil && !errors.Is(ferr, progress.ErrCompacted) && !errors.Is(ferr, progress.ErrFutureRev) {
-			why := reasonFreshTimeout
-			if !errors.Is(ferr, context.DeadlineExceeded) {
-				why = reasonFreshError
-			}
-			return refused(why, errNotFresh)
-		}
-		return refused(reasonAuth, err)
 	case err != nil:
 		return refused(reasonAuth, err)
 	}

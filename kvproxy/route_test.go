@@ -265,16 +265,6 @@ func fenceReturns(err error) func(*testing.T, *routeEnv) {
 	}
 }
 
-// refusedBy makes the permission check refuse every read with err.
-func refusedBy(err error, then func(*testing.T, *routeEnv)) func(*testing.T, *routeEnv) {
-	return func(t *testing.T, e *routeEnv) {
-		e.cfg.Authorize = func(context.Context, []byte, []byte, bool) error { return err }
-		if then != nil {
-			then(t, e)
-		}
-	}
-}
-
 func failUnproven(err error) func(*testing.T, *routeEnv) {
 	return func(t *testing.T, e *routeEnv) {
 		fenceReturns(err)(t, e)
@@ -303,17 +293,6 @@ func routeCases() []routeCase {
 				}
 			},
 			action: serveFromCache, reason: reasonWaited, viewRev: 14},
-
-		// Refused as etcd refuses: a linearizable read after its read
-		// index, whose failure etcd answers first; never forwarded.
-		{name: "permission denied", req: key("a"), setup: refusedBy(rpctypes.ErrGRPCPermissionDenied, nil),
-			action: refuse, reason: reasonAuth, err: rpctypes.ErrGRPCPermissionDenied},
-		{name: "permission denied at a compacted revision", req: &pb.RangeRequest{Key: []byte("a"), Revision: 3},
-			setup:  refusedBy(rpctypes.ErrGRPCPermissionDenied, fenceReturns(progress.ErrCompacted)),
-			action: refuse, reason: reasonAuth, err: rpctypes.ErrGRPCPermissionDenied},
-		{name: "permission denied after a failed read index", req: key("a"),
-			setup:  refusedBy(rpctypes.ErrGRPCPermissionDenied, fenceReturns(errUnreachable)),
-			action: refuse, reason: reasonFreshError, err: errNotFresh},
 
 		// Forwarded to etcd.
 		{name: "auth token", req: serializable("a", 0), auth: true,
