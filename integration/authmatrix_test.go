@@ -1118,16 +1118,7 @@ func (env *matrixEnv) testRevocation(t *testing.T) {
 		etcd, proxy := env.tokenPair(t, "alice", "alicepw")
 		env.waitSynced(t)
 		followEtcd(t, waitTimeout, "alice's token read before the change", etcd, proxy, aliceXSer, "")
-		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-		defer cancel()
-		if _, err := root.UserChangePassword(ctx, "alice", "alicepw2"); err != nil {
-			t.Fatal(err)
-		}
-		defer func() {
-			if _, err := root.UserChangePassword(ctx, "alice", "alicepw"); err != nil {
-				t.Fatal(err)
-			}
-		}()
+		changeAlicePassword(t, root)
 		followEtcd(t, authFollowWithin, "alice's old token to be refused", etcd, proxy, aliceXSer, errInvalidToken)
 		followEtcd(t, authFollowWithin, "alice's old token to be refused (linearizable)", etcd, proxy, aliceX, errInvalidToken)
 	})
@@ -1148,14 +1139,7 @@ func (env *matrixEnv) testRevocation(t *testing.T) {
 		followEtcd(t, waitTimeout, "alice's second token read before the change", etcd, probe, aliceXSer, "")
 		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
 		defer cancel()
-		if _, err := root.UserChangePassword(ctx, "alice", "alicepw2"); err != nil {
-			t.Fatal(err)
-		}
-		defer func() {
-			if _, err := root.UserChangePassword(ctx, "alice", "alicepw"); err != nil {
-				t.Fatal(err)
-			}
-		}()
+		changeAlicePassword(t, root)
 		followEtcd(t, authFollowWithin, "alice's second old token to be refused", etcd, probe, aliceXSer, errInvalidToken)
 		withDeadToken := metadata.AppendToOutgoingContext(ctx, rpctypes.TokenFieldNameGRPC, token)
 		if _, err := authOf(base.proxy).Authenticate(withDeadToken, &pb.AuthenticateRequest{Name: "bob", Password: "bobpw"}); err != nil {
@@ -1166,51 +1150,10 @@ func (env *matrixEnv) testRevocation(t *testing.T) {
 		}
 	})
 
-	// An auth change that does not concern a certificate caller leaves its
-	// reads served: the proxy waits while it reads the users and roles
-	// again, rather than refuse the caller it alone can check.
-	t.Run("unrelated-changes", func(t *testing.T) {
-		if env.mode != "cert" {
-			t.Skip("only certificate callers are checked by the proxy alone")
-		}
-		alice, bob := env.caller("alice"), env.caller("bob")
-		env.waitSynced(t)
-		followEtcd(t, waitTimeout, "alice's read before the changes", alice.etcd, alice.proxy, aliceXSer, "")
-		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-		defer cancel()
-		// readsThrough reads as alice while bob's linearizable read makes
-		// the proxy learn of the change and read the users and roles again.
-		readsThrough := func(change string) {
-			learned := make(chan struct{})
-			go func() {
-				defer close(learned)
-				kvOf(bob.proxy).Range(ctx, aliceX) // its answer does not matter
-			}()
-			for i := 0; i < 5000; i++ {
-				if _, err := kvOf(alice.proxy).Range(ctx, aliceXSer); err != nil {
-					t.Errorf("alice's read after %s: %v", change, err)
-					break
-				}
-				select {
-				case <-learned:
-					i = 5000
-				default:
-				}
-			}
-			<-learned
-		}
-		for i := range 10 {
-			role := fmt.Sprintf("unrelated-%d", i)
-			if _, err := root.RoleAdd(ctx, role); err != nil {
-				t.Fatal(err)
-			}
-			readsThrough("adding role " + role)
-			if _, err := root.RoleDelete(ctx, role); err != nil {
-				t.Fatal(err)
-			}
-			readsThrough("deleting role " + role)
-		}
-	})
+	// Certificate callers are the ones the proxy alone checks.
+	if env.mode == "cert" {
+		t.Run("unrelated-changes", env.testUnrelatedChanges)
+	}
 
 	// etcd takes a token key sent empty for a token, and refuses it; the
 	// proxy must not take it for no token (an anonymous caller, or the
@@ -1331,4 +1274,68 @@ func rawKV(t *testing.T, ep string, tlsCfg *tls.Config) pb.KVClient {
 	}
 	t.Cleanup(func() { conn.Close() })
 	return pb.NewKVClient(conn)
+}
+
+// testUnrelatedChanges: an auth change that does not concern a certificate
+// caller leaves its reads served: the proxy waits while it reads the users
+// and roles again, rather than refuse the caller it alone can check.
+func (env *matrixEnv) testUnrelatedChanges(t *testing.T) {
+	root := env.root
+	aliceX := &pb.RangeRequest{Key: []byte("/alice/x")}
+	aliceXSer := &pb.RangeRequest{Key: []byte("/alice/x"), Serializable: true}
+	alice, bob := env.caller("alice"), env.caller("bob")
+	env.waitSynced(t)
+	followEtcd(t, waitTimeout, "alice's read before the changes", alice.etcd, alice.proxy, aliceXSer, "")
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	// readsThrough reads as alice while bob's linearizable read makes
+	// the proxy learn of the change and read the users and roles again.
+	readsThrough := func(change string) {
+		learned := make(chan struct{})
+		go func() {
+			defer close(learned)
+			kvOf(bob.proxy).Range(ctx, aliceX) // its answer does not matter
+		}()
+		for i := 0; i < 5000; i++ {
+			if _, err := kvOf(alice.proxy).Range(ctx, aliceXSer); err != nil {
+				t.Errorf("alice's read after %s: %v", change, err)
+				break
+			}
+			select {
+			case <-learned:
+				i = 5000
+			default:
+			}
+		}
+		<-learned
+	}
+	for i := range 10 {
+		role := fmt.Sprintf("unrelated-%d", i)
+		if _, err := root.RoleAdd(ctx, role); err != nil {
+			t.Fatal(err)
+		}
+		readsThrough("adding role " + role)
+		if _, err := root.RoleDelete(ctx, role); err != nil {
+			t.Fatal(err)
+		}
+		readsThrough("deleting role " + role)
+	}
+}
+
+// changeAlicePassword changes alice's password, which ends her tokens, and
+// restores it when the test ends.
+func changeAlicePassword(t *testing.T, root *clientv3.Client) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	if _, err := root.UserChangePassword(ctx, "alice", "alicepw2"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+		defer cancel()
+		if _, err := root.UserChangePassword(ctx, "alice", "alicepw"); err != nil {
+			t.Error(err)
+		}
+	})
 }
