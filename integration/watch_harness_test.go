@@ -413,20 +413,6 @@ type compareOpts struct {
 	// boundaries: compare how events are split into responses (count and
 	// fragment flag of each) for these watch ids.
 	boundaries []int64
-	// compactRev is etcd's compaction revision. etcd reads an event's
-	// prev_kv at mod_revision-1, and omits it when that revision is
-	// compacted; the proxy keeps it from its history. Only there may the
-	// proxy's event carry a prev_kv that etcd's lacks.
-	compactRev int64
-}
-
-// sameEvent compares two events, allowing the proxy (b) the prev_kv etcd
-// (a) cannot read below its compaction revision.
-func sameEvent(a, b *mvccpb.Event, compactRev int64) bool {
-	if a.PrevKv == nil && b.PrevKv != nil && a.Kv.GetModRevision()-1 < compactRev {
-		b = &mvccpb.Event{Type: b.Type, Kv: b.Kv}
-	}
-	return proto.Equal(a, b)
 }
 
 // compareStreams checks both streams' invariants, then compares etcd's (d) and
@@ -460,7 +446,7 @@ func compareStreams(tb testing.TB, what string, d, p []*pb.WatchResponse, o comp
 			fail("watch %d: etcd sent %d events, the proxy %d", id, len(a.events), len(b.events))
 		}
 		for i := range a.events {
-			if !sameEvent(a.events[i], b.events[i], o.compactRev) {
+			if !proto.Equal(a.events[i], b.events[i]) {
 				fail("watch %d: event %d differs:\netcd:  %s\nproxy: %s", id, i, fmtMsg(a.events[i]), fmtMsg(b.events[i]))
 			}
 		}

@@ -292,7 +292,7 @@ func (st *stream) onCatchup(b catchupBatch) error {
 		w.catchingUp, w.cancelCatchup = false, nil
 		return nil
 	}
-	evs := w.matching(nil, b.events)
+	evs := w.matching(nil, b.events, st.s.store.CompactRev())
 	w.nextRev = b.upTo + 1
 	if len(evs) == 0 {
 		return nil

@@ -79,7 +79,7 @@ func BenchmarkSendEvents(b *testing.B) {
 				for _, w := range st.watchers {
 					if legacy {
 						w.nextRev = rev + 1
-						err = st.sendWatcherEvents(w, w.matching(nil, batches[0].Events), rev)
+						err = st.sendWatcherEvents(w, w.matching(nil, batches[0].Events, 0), rev)
 					} else {
 						err = st.sendEvents(w, batches, encs, rev)
 					}

@@ -199,7 +199,7 @@ func TestEncodedSendsAreEtcds(t *testing.T) {
 		}
 
 		var want [][]byte
-		resp := &pb.WatchResponse{Header: h, WatchId: w.id, Events: w.matching(nil, evs)}
+		resp := &pb.WatchResponse{Header: h, WatchId: w.id, Events: w.matching(nil, evs, math.MinInt64)} // random revisions: none compacted
 		record := func(r *pb.WatchResponse) error {
 			b, err := proto.Marshal(r)
 			want = append(want, b)

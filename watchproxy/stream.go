@@ -476,10 +476,13 @@ func (st *stream) lookup(batches []revtree.Batch) []*revEvents {
 // and moves it past complete. encs are the batches' encodings.
 func (st *stream) sendEvents(w *watcher, batches []revtree.Batch, encs []*revEvents, complete int64) error {
 	entries, n := st.entries[:0], 0
+	// Read now, as etcd reads each prev_kv when it sends the event.
+	compactRev := st.s.store.CompactRev()
 	for i, b := range batches {
 		if b.Rev >= w.nextRev && b.Rev <= complete {
+			prevKV := w.prevKV && prevKVReadable(b.Rev, compactRev)
 			var k int
-			entries, k = w.matchingEncoded(entries, b.Events, func() *encodedEvents { return st.s.enc.encoded(encs[i], w.prevKV) })
+			entries, k = w.matchingEncoded(entries, b.Events, func() *encodedEvents { return st.s.enc.encoded(encs[i], prevKV) })
 			n += k
 		}
 	}

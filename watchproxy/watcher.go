@@ -122,20 +122,32 @@ func (w *watcher) matchingEncoded(out []mem.Buffer, events []*mvccpb.Event, enc 
 	return out, n
 }
 
-// matching appends the events of one revision that the watcher wants, in
-// the form it wants them, to out.
-func (w *watcher) matching(out []*mvccpb.Event, events []*mvccpb.Event) []*mvccpb.Event {
+// matching appends the events that the watcher wants, in the form it
+// wants them, to out: with their prev_kv only where etcd, whose
+// compaction revision is compactRev, could still read it.
+func (w *watcher) matching(out []*mvccpb.Event, events []*mvccpb.Event, compactRev int64) []*mvccpb.Event {
 	for _, ev := range events {
 		if !w.wants(ev) {
 			continue
 		}
-		if w.prevKV || ev.PrevKv == nil {
+		if ev.PrevKv == nil || (w.prevKV && prevKVReadable(ev.Kv.ModRevision, compactRev)) {
 			out = append(out, ev) // shared with the history: never modified
 		} else {
 			out = append(out, &mvccpb.Event{Type: ev.Type, Kv: ev.Kv})
 		}
 	}
 	return out
+}
+
+// prevKVReadable reports whether etcd, compacted at compactRev, sends the
+// prev_kv of an event of revision rev. etcd fills prev_kv when it sends an
+// event, not when it stores it: its send loop (api/v3rpc/watch.go) reads
+// the key at rev-1, a read that fails below the compaction revision, and
+// then sends the event without prev_kv. So must the proxy, whose history
+// still holds the previous version: kube-apiserver relists on an update
+// without prev_kv, as it would through etcd.
+func prevKVReadable(rev, compactRev int64) bool {
+	return rev > compactRev // rev-1 >= compactRev
 }
 
 // sendFragments is etcd's (api/v3rpc/watch.go): a response over the request

@@ -41,12 +41,6 @@ import (
 //   - the order of a lease's keys in `lease timetolive --keys`, which etcd
 //     takes from a Go map.
 //
-// One difference is tolerated, narrowly, and logged as a KNOWN DIFFERENCE:
-// a watch with --prev-kv that starts at a compaction revision gets, through
-// the proxy, prev_kv for events at that revision whose previous version etcd
-// has compacted away; etcd sends those events without prev_kv (see
-// prevKVAtCompaction).
-//
 // Raft term and raft index are not blanked: two fresh single-member etcds
 // that received the same writes agree on them, and through the proxy they
 // show that it forwarded exactly the script's writes.
@@ -83,17 +77,11 @@ func TestEtcdctl(t *testing.T) {
 		if d.String() == p.String() {
 			continue
 		}
-		if d.tolerate != nil {
-			if note, ok := d.tolerate(d, p); ok {
-				t.Logf("step %d: KNOWN DIFFERENCE from etcd: %s\n--- direct:\n%s\n--- proxy:\n%s", i+1, note, d, p)
-				continue
-			}
-		}
 		diffs++
 		t.Errorf("step %d differs\n--- direct:\n%s\n--- proxy:\n%s", i+1, d, p)
 	}
 	if diffs == 0 {
-		t.Logf("%d etcdctl steps, identical transcripts (but for known differences logged above)", len(direct.steps))
+		t.Logf("%d etcdctl steps, identical transcripts", len(direct.steps))
 	}
 	if testing.Verbose() || t.Failed() {
 		var b strings.Builder
@@ -268,6 +256,23 @@ func etcdctlScript(s *ctlSide) {
 	s.watch("/k/zz-end2", false, "watch", "--rev="+itoa(c1), "--prev-kv", "--prefix", "/k/")
 	s.run("compact", itoa(c1-1)) // already compacted: etcd's error
 
+	// prev_kv at the compaction revision: etcd reads it at the revision
+	// before, which is compacted, and sends the event without it (a PUT at
+	// c3, a DELETE at c4); the events after keep theirs.
+	s.run("put", "/p/k", "v1")
+	s.run("put", "/p/k", "v2")
+	c3 := s.revision("put", "/p/k", "v3")
+	s.run("compact", itoa(c3))
+	s.run("put", "/p/k", "v4")
+	s.run("put", "/p/zz-end", "end")
+	s.watch("/p/zz-end", true, "watch", "--rev="+itoa(c3), "--prev-kv", "/p/k", "/p/zz-endz", "-w", "json")
+	c4 := s.revision("del", "/p/k")
+	s.run("compact", itoa(c4))
+	s.run("put", "/p/k", "reborn")
+	s.run("del", "/p/k")
+	s.run("put", "/p/zz-end2", "end")
+	s.watch("/p/zz-end2", true, "watch", "--rev="+itoa(c4), "--prev-kv", "--prefix", "/p/", "-w", "json")
+
 	// Compaction made on etcd directly, not through the proxy: the proxy
 	// learns it from its probe (waited for on the proxy side), then answers
 	// as etcd does.
@@ -278,13 +283,11 @@ func etcdctlScript(s *ctlSide) {
 	s.run("get", "/k/", "--prefix", "--rev="+itoa(c2), "-w", "json")
 	s.run("watch", "--rev="+itoa(c2-1), "--prefix", "/k/", "-w", "json")
 	s.run("put", "/k/zz-end3", "end")
-	s.watch("/k/zz-end3", true, "watch", "--rev="+itoa(c2), "--prev-kv", "--prefix", "/k/", "-w", "json")
-	// etcd fills prev_kv by reading the key at mod_revision-1. For an event
+	// etcd fills prev_kv by reading the key at mod_revision-1: for an event
 	// at the compaction revision itself (/k/b here) whose previous version
 	// is older, that read is compacted, and etcd sends the event without
-	// prev_kv. The proxy fills prev_kv from memory and sends it. That, and
-	// nothing else, is tolerated in this step (reported in the log).
-	s.steps[len(s.steps)-1].tolerate = prevKVAtCompaction(c2)
+	// prev_kv. So must the proxy, which still holds that version.
+	s.watch("/k/zz-end3", true, "watch", "--rev="+itoa(c2), "--prev-kv", "--prefix", "/k/", "-w", "json")
 	s.watch("/k/zz-end3", true, "watch", "--rev="+itoa(c2+1), "--prev-kv", "--prefix", "/k/", "-w", "json")
 
 	// Everything deleted, compacted at the head: etcd's hash covers the
@@ -314,9 +317,6 @@ type ctlStep struct {
 	stdout string
 	stderr string
 	exit   int
-	// tolerate, if set on the direct side's step, accepts one precisely
-	// described difference from the proxy's, and says what it was.
-	tolerate func(direct, proxy ctlStep) (string, bool)
 }
 
 func (s ctlStep) String() string {
@@ -725,49 +725,4 @@ func (n *normalizer) walk(key string, v any, blank []string) any {
 		return n.text(x)
 	}
 	return v
-}
-
-// prevKVAtCompaction tolerates, in a JSON watch transcript, prev_kv on the
-// proxy's side for events at revision c (a compaction revision) where etcd
-// sent none, and no other difference.
-func prevKVAtCompaction(c int64) func(direct, proxy ctlStep) (string, bool) {
-	return func(d, p ctlStep) (string, bool) {
-		if d.cmd != p.cmd || d.stderr != p.stderr || d.exit != p.exit {
-			return "", false
-		}
-		ds, dn := stripPrevKVAt(d.stdout, c)
-		ps, pn := stripPrevKVAt(p.stdout, c)
-		if ds != ps || dn != 0 || pn == 0 {
-			return "", false
-		}
-		return fmt.Sprintf("through the proxy, %d event(s) at the compaction revision %d carry prev_kv; etcd sent them without, because the previous version was compacted", pn, c), true
-	}
-}
-
-// stripPrevKVAt removes prev_kv from the events at revision rev in JSON
-// watch responses, and counts them.
-func stripPrevKVAt(out string, rev int64) (string, int) {
-	n := 0
-	var lines []string
-	for l := range strings.SplitSeq(strings.TrimRight(out, "\n"), "\n") {
-		dec := json.NewDecoder(strings.NewReader(l))
-		dec.UseNumber()
-		var r map[string]any
-		if dec.Decode(&r) != nil {
-			lines = append(lines, l)
-			continue
-		}
-		evs, _ := r["Events"].([]any)
-		for _, e := range evs {
-			ev, _ := e.(map[string]any)
-			kv, _ := ev["kv"].(map[string]any)
-			if ev["prev_kv"] != nil && fmt.Sprint(kv["mod_revision"]) == itoa(rev) {
-				delete(ev, "prev_kv")
-				n++
-			}
-		}
-		b, _ := json.Marshal(r)
-		lines = append(lines, string(b))
-	}
-	return strings.Join(lines, "\n"), n
 }

@@ -10,17 +10,22 @@
 # failed test leaves goroutines behind and etcd's leak check would skip every
 # later test of the same process.
 #
-# Output: one line per test (and per failed subtest); for each failed test,
-# its error lines and each proxy's last lines that are not info or debug
-# logs (the framework prints every line a spawned process writes when
-# EXPECT_DEBUG is set, prefixed with its pid; the wrapper records the
-# proxies' pids and command lines in $E2E_LOG_DIR/grpc-proxy.calls).
+# Output: one line per test (and per failed or skipped subtest); for each
+# failed test, its error lines and each proxy's last lines that are not info
+# or debug logs (the framework prints every line a spawned process writes
+# when EXPECT_DEBUG is set, prefixed with its pid; the wrapper records the
+# proxies' pids and command lines in $E2E_LOG_DIR/grpc-proxy.calls); at the
+# end, each package's counts of passed, failed and skipped tests (a test
+# that reported --- SKIP, or whose every subtest did, is skipped, not passed).
 # Full logs: $E2E_LOG_DIR/<package>/<test>.log.
 #
 # Environment:
 #   E2E_TESTS_ETCD    tests of go.etcd.io/etcd/tests/v3/e2e (default below)
 #   E2E_TESTS_COMMON  tests of go.etcd.io/etcd/tests/v3/common (default below)
 #   E2E_TESTS_LOCAL   tests of this package (default below)
+#                     Each is a list of test names; empty: none of the
+#                     package's; all: every test the package's test binary
+#                     lists (-test.list), each in a process of its own too.
 #   E2E_PROXY         snapcache (default), or etcd: the real `etcd grpc-proxy`,
 #                     to tell the framework's or the test's own failures from
 #                     etcd-snapcache's
@@ -120,6 +125,7 @@ report() {
   if [ "$rc" -eq 0 ]; then
     grep -E "^--- (PASS|SKIP): $t " "$log" || echo "--- PASS: $t (exit 0, no result line)"
     grep -E "^--- SKIP: $t " -A3 "$log" | grep -vE '^--- ' | head -3 | sed 's/^/      /'
+    grep -E "^ +--- SKIP: $t/" "$log"
     return
   fi
   grep -E "^--- FAIL: $t |^ +--- FAIL: " "$log" || echo "--- FAIL: $t (exit $rc, no result line: $(grep -E '^panic:|test timed out' "$log" | head -1))"
@@ -157,25 +163,59 @@ report() {
     }' "$log"
 }
 
-status=0 npass=0 nfail=0
-# runpkg NAME TAGS PKG "TESTS" [DIR]: each test in DIR (default: PKG's).
+# skipped LOG TEST: whether TEST, which passed, reported --- SKIP, or every
+# subtest that has none of its own did (Go prints a test whose subtests all
+# skipped as passed).
+skipped() {
+  awk -v t="$2" '
+    /^ *--- (PASS|SKIP|FAIL): / {
+      if ($3 == t && $2 == "SKIP:") top = 1
+      if (index($3, t "/") == 1) res[$3] = $2
+    }
+    END {
+      if (top) exit 0
+      for (s in res) {
+        leaf = 1
+        for (o in res) if (index(o, s "/") == 1) leaf = 0
+        if (leaf) { leaves++; if (res[s] == "SKIP:") skips++ }
+      }
+      exit !(leaves > 0 && skips == leaves)
+    }' "$1"
+}
+
+status=0 npass=0 nfail=0 nskip=0 counts=
+# runpkg NAME TAGS PKG "TESTS" [DIR]: each test in DIR (default: PKG's);
+# TESTS all: every test the compiled binary lists.
 runpkg() {
   local name=$1 tags=$2 pkg=$3 tests=$4 dir=${5:-}
   [ -n "${tests// /}" ] || return 0
-  local bin=$wrapdir/$name.test start=$SECONDS
+  local bin=$wrapdir/$name.test start=$SECONDS pass=0 fail=0 skip=0
   mkdir -p "$logdir/$name"
   echo "e2e: $pkg (-tags $tags)"
   if ! (cd "$here" && go test -c -tags "$tags" -o "$bin" "$pkg") > "$logdir/$name/build.log" 2>&1; then
-    cat "$logdir/$name/build.log"; status=1; return
+    cat "$logdir/$name/build.log"; status=1; counts+="  $pkg: build failed"$'\n'; return
   fi
-  [ -n "$dir" ] || dir=$(cd "$here" && go list -tags "$tags" -f '{{.Dir}}' "$pkg") || { status=1; return; }
+  [ -n "$dir" ] || dir=$(cd "$here" && go list -tags "$tags" -f '{{.Dir}}' "$pkg") ||
+    { status=1; counts+="  $pkg: go list failed"$'\n'; return; }
+  if [ "$tests" = all ]; then
+    # -test.list prints the tests, benchmarks, fuzz tests and examples that
+    # match; TestMain, which runs the others, is not one (go test leaves it
+    # out of the list; the filter keeps it out all the same).
+    tests=$(cd "$dir" && "$bin" -test.list '.*' -bin-dir="$wrapdir" | grep -E '^Test' | grep -vx TestMain) ||
+      { echo "e2e: $pkg: listing its tests failed"; status=1; counts+="  $pkg: listing failed"$'\n'; return; }
+    echo "e2e: $pkg: $(echo $tests | wc -w) tests"
+  fi
   for t in $tests; do
     local log=$logdir/$name/$t.log rc=0
     (cd "$dir" && EXPECT_DEBUG=1 "$bin" -test.v -test.count=1 -test.timeout "$timeout" \
         -test.run "^$t\$" -bin-dir="$wrapdir") > "$log" 2>&1 || rc=$?
     report "$log" "$t" "$rc"
-    if [ $rc -eq 0 ]; then npass=$((npass + 1)); else nfail=$((nfail + 1)); status=1; fi
+    if [ $rc -ne 0 ]; then fail=$((fail + 1)); status=1
+    elif skipped "$log" "$t"; then skip=$((skip + 1))
+    else pass=$((pass + 1)); fi
   done
+  npass=$((npass + pass)) nfail=$((nfail + fail)) nskip=$((nskip + skip))
+  counts+="  $pkg: $pass passed, $fail failed, $skip skipped, in $((SECONDS - start))s"$'\n'
   echo "e2e: $pkg: $((SECONDS - start))s"
 }
 
@@ -193,5 +233,6 @@ if [ "$nproxies" -eq 0 ]; then
   echo "e2e: no grpc-proxy was started: nothing tested the proxy" >&2
   status=1
 fi
-echo "e2e: $npass passed, $nfail failed, in $((SECONDS - start))s; logs in $logdir"
+printf 'e2e: per package:\n%s' "$counts"
+echo "e2e: $npass passed, $nfail failed, $nskip skipped, in $((SECONDS - start))s; logs in $logdir"
 exit $status
