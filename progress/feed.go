@@ -57,50 +57,63 @@ func (f *Follower) loadFailed(err error) {
 	f.loadErr.Store(&err)
 }
 
+// loadError is a load that failed: the feed waits and loads again.
+type loadError struct{ err error }
+
+func (e *loadError) Error() string { return "loading the keyspace: " + e.err.Error() }
+func (e *loadError) Unwrap() error { return e.err }
+
 // feed is the upstream feed: it loads the keyspace, follows it with one
 // watch, resumes the watch when it breaks and reloads when it cannot
 // resume, until ctx is done.
+//
+// A load opens the watch first, at etcd's head, and reads the keyspace at
+// the revision etcd created it at (loadAtHead): etcd counts a watch from
+// its head as synced, and a compaction never cancels a synced watcher, so
+// no compaction made while the proxy starts can cost it the history it
+// just began to follow. Loading first and watching from the load's
+// revision leaves a window in which etcd has moved on, the watch is one
+// etcd still has to catch up, and a compaction cancels it.
 func (f *Follower) feed(ctx context.Context) {
 	bo := backoff.New(minRetryPause, maxRetryPause)
 	needLoad := true
-	firstLoad := true
-	// resumed: the watch is resumed rather than started right after a
-	// load, so etcd's history must be verified against the store's.
-	resumed := false
+	// replay: the first load replays etcd's retained history.
+	replay := f.cfg.LoadRetainedHistory
 	for ctx.Err() == nil {
-		if needLoad {
-			target, err := f.load(ctx, firstLoad && f.cfg.LoadRetainedHistory)
-			if err != nil {
-				if ctx.Err() == nil {
-					f.loadFailed(err)
-				}
-				bo.Wait(ctx)
-				continue
+		loads := f.loads.Load()
+		var err error
+		switch {
+		case needLoad && replay:
+			// From etcd's compaction revision: the watch is one etcd
+			// catches up, by design.
+			if err = f.load(ctx, nil, true); err == nil {
+				err = f.followOn(ctx, bo, false)
 			}
-			f.loadErr.Store(nil)
-			firstLoad = false
-			needLoad = false
-			resumed = false
-			f.loading.Store(false)
-			f.readyAt(target)
+		case needLoad:
+			err = f.follow(ctx, bo, loadAtHead, false)
+		default:
+			// A resumed watch: etcd's history must be verified to be the
+			// store's before the stream is trusted.
+			err = f.followOn(ctx, bo, true)
 		}
-		err := f.follow(ctx, bo, true, resumed, false)
-		if errors.Is(err, errBehindHead) && ctx.Err() == nil {
-			// etcd moved on since the store's revision: follow from
-			// there, as an unsynced watcher that etcd catches up.
-			err = f.follow(ctx, bo, false, resumed, false)
+		loaded := f.loads.Load() != loads
+		if loaded {
+			needLoad, replay = false, false
 		}
-		if errors.Is(err, errCompactedAtNext) && ctx.Err() == nil {
-			// etcd compacted exactly past the store's revision: the store
-			// holds every revision below the compaction, so a watch from
-			// the next one continues it, where a reload would start over.
-			err = f.follow(ctx, bo, false, resumed, true)
-		}
-		resumed = true
 		if ctx.Err() != nil {
 			break
 		}
 		var reload *reloadError
+		if needLoad && !errors.As(err, &reload) {
+			// The load failed, or the watch it opens first did.
+			var failed *loadError
+			if errors.As(err, &failed) {
+				err = failed.err
+			}
+			f.loadFailed(err)
+			bo.Wait(ctx)
+			continue
+		}
 		if errors.As(err, &reload) {
 			f.takeReloadReason() // this reload serves any asked for meanwhile
 			f.lg.Warn("reloading the keyspace from etcd", zap.String("reason", reload.reason), zap.Error(reload.err))
@@ -115,18 +128,45 @@ func (f *Follower) feed(ctx context.Context) {
 	}
 }
 
-// load reads the whole keyspace at one revision and resets the store to it.
-// With history, it loads at etcd's compaction revision instead, so that the
-// watch replays every retained revision. It returns the revision at which
-// the cache counts as caught up.
-func (f *Follower) load(ctx context.Context, history bool) (int64, error) {
+// followOn follows etcd from the store's revision: from etcd's head if
+// that is the store's revision, else from the store's revision as a watch
+// etcd catches up, or from the revision after it if etcd compacted exactly
+// there.
+func (f *Follower) followOn(ctx context.Context, bo *backoff.Backoff, resumed bool) error {
+	err := f.follow(ctx, bo, fromHead, resumed)
+	if errors.Is(err, errBehindHead) && ctx.Err() == nil {
+		// etcd moved on since the store's revision: follow from there, as
+		// an unsynced watcher that etcd catches up.
+		err = f.follow(ctx, bo, fromStore, resumed)
+	}
+	if errors.Is(err, errCompactedAtNext) && ctx.Err() == nil {
+		// etcd compacted exactly past the store's revision: the store
+		// holds every revision below the compaction, so a watch from the
+		// next one continues it, where a reload would start over.
+		err = f.follow(ctx, bo, fromNext, resumed)
+	}
+	return err
+}
+
+// load reads the whole keyspace at one revision and resets the store to
+// it: at the revision of at, the header of the created response of a watch
+// from etcd's head, or with history at etcd's compaction revision, so that
+// the watch replays every retained revision. Errors are *loadError.
+func (f *Follower) load(ctx context.Context, at *pb.ResponseHeader, history bool) error {
+	if err := f.loadKeyspace(ctx, at, history); err != nil {
+		return &loadError{err}
+	}
+	return nil
+}
+
+func (f *Follower) loadKeyspace(ctx context.Context, at *pb.ResponseHeader, history bool) error {
 	start := time.Now()
 	// The release decides how some reads are answered: read it before the
 	// store can serve. A failure leaves it unknown, and the version
 	// tracker retries.
 	f.version.refresh(ctx)
 	if err := checkRelease(f.upstream.getVersion()); err != nil {
-		return 0, err
+		return err
 	}
 	if f.timeline.pending.Load() {
 		// Another history: nothing of the old one holds, not even its
@@ -134,40 +174,71 @@ func (f *Follower) load(ctx context.Context, history bool) (int64, error) {
 		f.store.ForgetCompaction()
 		f.upstream.resetHead()
 	}
-	// The current revision first: it is the load revision, or with history
-	// the revision the replay must reach before the cache is ready.
+	// The current revision: the load revision, or with history the
+	// revision the replay must reach before the cache is ready.
+	if at == nil {
+		head, err := f.readHeadForLoad(ctx)
+		if err != nil {
+			return err
+		}
+		at = head
+	}
+	clusterID, current := at.ClusterId, at.Revision
+	for {
+		f.upstream.observeHead(current)
+		compactRev, err := f.compaction.find(ctx, f.store.CompactRev(), current, 0)
+		if err != nil {
+			return err
+		}
+		loadRev := current
+		if history {
+			loadRev = max(compactRev, 1)
+		}
+		f.unloadForLoad()
+		kvs, err := f.rangeAll(ctx, loadRev)
+		if errors.Is(etcderr.Of(err), rpctypes.ErrCompacted) && !history {
+			// etcd compacted past the load revision meanwhile. The watch
+			// delivers every revision after the one it was created at, so
+			// the keyspace at any later revision continues it: the events
+			// up to it are skipped as already applied.
+			head, herr := f.readHeadForLoad(ctx)
+			if herr != nil {
+				return herr
+			}
+			f.lg.Info("etcd compacted past the load revision during the load; loading at its head",
+				zap.Int64("revision", loadRev), zap.Int64("head", head.Revision))
+			clusterID, current = head.ClusterId, head.Revision
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		f.store.Reset(loadRev, kvs, compactRev)
+		f.timeline.loaded(clusterID)
+		f.loads.Add(1) // before waking waiters, which may be waiting for it
+		f.changes.notify()
+		f.lg.Info("loaded the keyspace from etcd",
+			zap.Int64("revision", loadRev),
+			zap.Int64("compact-revision", compactRev),
+			zap.Int("keys", len(kvs)),
+			zap.Bool("retained-history", history),
+			zap.Duration("took", time.Since(start)))
+		f.m.observeLoad()
+		f.loadErr.Store(nil)
+		f.loading.Store(false)
+		f.readyAt(current)
+		return nil
+	}
+}
+
+// readHeadForLoad reads etcd's current revision.
+func (f *Follower) readHeadForLoad(ctx context.Context) (*pb.ResponseHeader, error) {
 	head, err := f.kv.Range(ctx, &pb.RangeRequest{Key: wholeKey, RangeEnd: wholeRangeEnd, CountOnly: true})
 	if err != nil {
-		return 0, fmt.Errorf("reading the current revision: %w", err)
+		return nil, fmt.Errorf("reading the current revision: %w", err)
 	}
 	f.observeHeader(head.Header)
-	current := head.Header.Revision
-	f.upstream.observeHead(current)
-	compactRev, err := f.compaction.find(ctx, f.store.CompactRev(), current, 0)
-	if err != nil {
-		return 0, err
-	}
-	loadRev := current
-	if history {
-		loadRev = max(compactRev, 1)
-	}
-	f.unloadForLoad()
-	kvs, err := f.rangeAll(ctx, loadRev)
-	if err != nil {
-		return 0, err
-	}
-	f.store.Reset(loadRev, kvs, compactRev)
-	f.timeline.loaded(head.Header.ClusterId)
-	f.loads.Add(1) // before waking waiters, which may be waiting for it
-	f.changes.notify()
-	f.lg.Info("loaded the keyspace from etcd",
-		zap.Int64("revision", loadRev),
-		zap.Int64("compact-revision", compactRev),
-		zap.Int("keys", len(kvs)),
-		zap.Bool("retained-history", history),
-		zap.Duration("took", time.Since(start)))
-	f.m.observeLoad()
-	return current, nil
+	return head.Header, nil
 }
 
 // rangeAll reads every key at rev in pages, as kube-apiserver lists.
@@ -210,28 +281,42 @@ func (f *Follower) takeReloadReason() string {
 // the store's revision: its events would leave a gap.
 var errBehindHead = errors.New("etcd's head is past the store's revision")
 
+// startMode is where an upstream watch starts.
+type startMode int
+
+const (
+	// fromHead: at etcd's head (start revision 0), which etcd counts as
+	// synced: it delivers events at once, answers progress requests, and a
+	// compaction cannot cancel it. That is right only if the head is the
+	// store's revision, which the created response tells (etcd reads its
+	// revision after registering the watcher); otherwise follow returns
+	// errBehindHead.
+	fromHead startMode = iota
+	// fromStore: at the store's revision, not the next one, because etcd
+	// drops every progress request on a stream whose watcher starts beyond
+	// its head; etcd catches that unsynced watcher up within its sync
+	// interval (100 ms), and the store's own revision comes back as a
+	// duplicate and is skipped.
+	fromStore
+	// fromNext: at the revision after the store's: etcd compacted exactly
+	// there (errCompactedAtNext), so the store's own revision can no
+	// longer be watched, nor its history compared.
+	fromNext
+	// loadAtHead: at etcd's head, as fromHead, and the keyspace is loaded
+	// at the revision of the created response before the watch's events
+	// are read: they continue it, and events up to the revision the load
+	// ends at are skipped.
+	loadAtHead
+)
+
 // follow runs one upstream watch until it breaks. It returns a
-// *reloadError when resuming is impossible.
-//
-// With fromHead, the watch starts at etcd's head (start revision 0), which
-// etcd counts as synced: it delivers events at once, answers progress
-// requests, and a compaction cannot cancel it. That is right only if the
-// head is the store's revision, which the created response tells (etcd
-// reads its revision after registering the watcher); otherwise follow
-// returns errBehindHead. Without fromHead, the watch starts at the store's
-// revision, not the next one, because etcd drops every progress request on
-// a stream whose watcher starts beyond its head; etcd catches that
-// unsynced watcher up within its sync interval (100 ms), and the store's
-// own revision comes back as a duplicate and is skipped.
+// *reloadError when resuming is impossible, and a *loadError when its
+// load failed.
 //
 // A resumed watch is followed only once etcd's history is verified to be
 // the store's (verifyResume); then the stream counts as verified for read
 // fences until it ends.
-//
-// With next, the watch starts at the revision after the store's: etcd
-// compacted exactly there (errCompactedAtNext), so the store's own
-// revision can no longer be watched, nor its history compared.
-func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead, resumed, next bool) error {
+func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMode, resumed bool) error {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
 	f.mu.Lock()
@@ -254,10 +339,10 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead, re
 		return fmt.Errorf("opening the upstream watch: %w", err)
 	}
 	startRev, createRev := f.store.Rev(), f.store.Rev()
-	switch {
-	case fromHead:
+	switch mode {
+	case fromHead, loadAtHead:
 		createRev = 0
-	case next:
+	case fromNext:
 		createRev = startRev + 1
 	}
 	err = stream.Send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CreateRequest{CreateRequest: &pb.WatchCreateRequest{
@@ -307,7 +392,7 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead, re
 		}
 		f.observeHeader(resp.Header)
 		switch {
-		case resp.CompactRevision == startRev+1 && !next && !fromHead:
+		case resp.CompactRevision == startRev+1 && mode == fromStore:
 			return errCompactedAtNext
 		case resp.CompactRevision != 0:
 			// The resume revision was compacted while we were away, or
@@ -317,20 +402,29 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead, re
 			err := fmt.Errorf("watch from revision %d canceled: compacted at %d", startRev, resp.CompactRevision)
 			f.timelineChanged("compacted-resume", err)
 			return &reloadError{reason: "compacted", err: err}
+		case resp.Canceled && mode == loadAtHead:
+			// etcd refused the watch of the keyspace (its auth): the load
+			// fails as a read of it would.
+			return &loadError{fmt.Errorf("watching the keyspace: %w", etcderr.OfCancelReason(resp.CancelReason))}
 		case resp.Canceled:
 			return fmt.Errorf("upstream watch canceled: %s", resp.CancelReason)
-		case resp.Created && fromHead && resp.Header.Revision > startRev:
+		case resp.Created && mode == fromHead && resp.Header.Revision > startRev:
 			return errBehindHead
 		case resp.Created:
-			if resumed {
-				if err := f.verifyResume(wctx, startRev, next); err != nil {
+			switch {
+			case mode == loadAtHead:
+				// The stream is not read meanwhile: etcd holds its events.
+				if err := f.load(wctx, resp.Header, false); err != nil {
+					return err
+				}
+				startRev = f.store.Rev()
+			case resumed:
+				if err := f.verifyResume(wctx, startRev, mode == fromNext); err != nil {
 					switch {
 					case errors.Is(err, errTimeline):
 						return &reloadError{reason: "timeline", err: err}
 					case errors.Is(err, errCompactedResume):
 						return &reloadError{reason: "compacted", err: err}
-					case errors.Is(err, errCompactedAtNext) && !next:
-						return err
 					}
 					return err
 				}
@@ -339,7 +433,7 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, fromHead, re
 			f.following.Store(true)
 			f.leader.found()
 			bo.Reset()
-			f.lg.Info("following etcd", zap.Int64("store-revision", startRev), zap.Bool("from-head", fromHead))
+			f.lg.Info("following etcd", zap.Int64("store-revision", startRev), zap.Bool("from-head", mode == fromHead || mode == loadAtHead))
 			// The member that answers may run another release now.
 			f.version.reconnected()
 			// The created response promises nothing about revisions: a

@@ -1,6 +1,7 @@
 package etcderr
 
 import (
+	"errors"
 	"fmt"
 	"testing"
 
@@ -17,5 +18,14 @@ func TestWrapped(t *testing.T) {
 	}
 	if !Is(rpctypes.ErrGRPCUserEmpty, rpctypes.ErrUserEmpty) {
 		t.Fatal("an unwrapped error is not recognised")
+	}
+}
+
+func TestOfCancelReason(t *testing.T) {
+	if err := OfCancelReason(rpctypes.ErrGRPCPermissionDenied.Error()); !errors.Is(err, rpctypes.ErrPermissionDenied) {
+		t.Fatalf("permission denied reason: %v", err)
+	}
+	if err := OfCancelReason("something else"); err == nil || err.Error() != "something else" {
+		t.Fatalf("unknown reason: %v", err)
 	}
 }
