@@ -133,6 +133,11 @@ type Config struct {
 	// Inconsistent, if set, reports that every read must go to etcd: the
 	// consistency checker found the store inconsistent.
 	Inconsistent func() bool
+	// Forwarding, if set, reports that the cache is off (the proxy has no
+	// identity of its own, and etcd has auth enabled): every read that
+	// Authorize lets through goes to etcd, none is refused for a load that
+	// cannot happen.
+	Forwarding func() bool
 	// Authorize, if set, is etcd's permission check of a read of
 	// [key, rangeEnd) by the caller of ctx, linearizable or not: nil lets
 	// the store answer; ErrAskEtcd sends the read to etcd, which judges
@@ -159,6 +164,7 @@ type Server struct {
 	fresh        time.Duration
 	fallback     ConsistentReadFallback
 	inconsistent func() bool
+	forwarding   func() bool
 	authorize    func(ctx context.Context, key, rangeEnd []byte, linearizable bool) error
 	forwards     chan struct{} // semaphore of reads in flight to etcd
 	budget       *byteBudget   // bytes of cached responses in flight; nil: no bound
@@ -189,6 +195,9 @@ func New(cfg Config) *Server {
 	if cfg.Inconsistent == nil {
 		cfg.Inconsistent = func() bool { return false }
 	}
+	if cfg.Forwarding == nil {
+		cfg.Forwarding = func() bool { return false }
+	}
 	if cfg.Authorize == nil {
 		cfg.Authorize = func(ctx context.Context, _, _ []byte, _ bool) error {
 			if hasAuthToken(ctx) {
@@ -209,6 +218,7 @@ func New(cfg Config) *Server {
 		fresh:        cfg.FreshnessTimeout,
 		fallback:     cfg.ConsistentReadFallback,
 		inconsistent: cfg.Inconsistent,
+		forwarding:   cfg.Forwarding,
 		authorize:    cfg.Authorize,
 		forwards:     make(chan struct{}, cfg.MaxForwardedReads),
 		budget:       newByteBudget(cfg.MaxCachedReadBytes, cfg.Metrics.setCachedReadBytes),

@@ -36,6 +36,7 @@ const (
 	reasonNotReady       reason = "not_ready"       // the store is not loaded
 	reasonVersionUnknown reason = "version_unknown" // keys-only, and the upstream's release is unknown
 	reasonRangeStream    reason = "rangestream_unsupported"
+	reasonForwarding     reason = "forwarding" // the cache is off: no identity of the proxy's own, and auth enabled
 
 	// Forwarded or rejected.
 	reasonLoading      reason = "loading"       // small reads forwarded, the rest refused

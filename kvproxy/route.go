@@ -47,17 +47,22 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRul
 	// waits on etcd, so they run together, and the read waits for the
 	// slower one rather than for both in turn.
 	var fence fenceCall
-	if !r.Serializable && s.follower.Serving() && !s.inconsistent() && (!r.KeysOnly || rules.known) {
+	forwarding := s.forwarding()
+	if !r.Serializable && !forwarding && s.follower.Serving() && !s.inconsistent() && (!r.KeysOnly || rules.known) {
 		fence = s.beginFence(r.Revision)
 	}
 	// etcd's handler validates (done), then checks permissions.
 	switch err := s.authorize(ctx, r.Key, r.RangeEnd, !r.Serializable); {
+	case errors.Is(err, ErrAskEtcd) && forwarding:
+		return forwarded(reasonForwarding)
 	case errors.Is(err, ErrAskEtcd):
 		return forwarded(reasonAuth)
 	case err != nil:
 		return refused(reasonAuth, err)
 	}
 	switch {
+	case forwarding:
+		return forwarded(reasonForwarding)
 	case !s.follower.Serving():
 		// KEP-4568: delegate what etcd answers cheaply, refuse the rest
 		// rather than hang or flood etcd.

@@ -321,6 +321,16 @@ func routeCases() []routeCase {
 			setup:  func(_ *testing.T, e *routeEnv) { e.follower.version = "3.6.16" },
 			action: forward, reason: reasonRangeStream},
 
+		{name: "large read while etcd refuses the proxy the keyspace", req: wide,
+			setup: func(_ *testing.T, e *routeEnv) {
+				e.follower.serving = false
+				e.cfg.Forwarding = func() bool { return true }
+			},
+			action: forward, reason: reasonForwarding},
+		{name: "token caller while etcd refuses the proxy the keyspace", req: key("a"), auth: true,
+			setup:  func(_ *testing.T, e *routeEnv) { e.cfg.Forwarding = func() bool { return true } },
+			action: forward, reason: reasonForwarding},
+
 		// Forwarded or refused.
 		{name: "small read while loading", req: key("a"),
 			setup:  func(_ *testing.T, e *routeEnv) { e.follower.serving = false },

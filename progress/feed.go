@@ -41,20 +41,41 @@ type reloadError struct {
 func (e *reloadError) Error() string { return fmt.Sprintf("reload (%s): %v", e.reason, e.err) }
 func (e *reloadError) Unwrap() error { return e.err }
 
+// ErrIdentityRefused says etcd refused the proxy's own identity the
+// keyspace: auth is enabled, and the proxy has no identity of its own, or
+// one without the root role. It lasts until an operator acts (or auth is
+// disabled); meanwhile the cache is off.
+var ErrIdentityRefused = errors.New("etcd has auth enabled and the proxy's own identity cannot read the whole keyspace")
+
 // loadFailed records and logs why a load failed. A refusal by etcd's auth
-// is the operator's to fix: the proxy's identity must read every key.
+// is the operator's to fix: the proxy's identity must read every key. It
+// is logged once, not at every retry; so is any other failure, until the
+// load works again.
 func (f *Follower) loadFailed(err error) {
 	switch e := etcderr.Of(err); {
 	case errors.Is(err, errUnsupportedRelease):
-		f.lg.Error("cannot follow etcd; not ready", zap.Error(err))
 	case errors.Is(e, rpctypes.ErrPermissionDenied), errors.Is(e, rpctypes.ErrUserEmpty),
 		errors.Is(e, rpctypes.ErrAuthFailed), errors.Is(e, rpctypes.ErrInvalidAuthToken):
-		err = fmt.Errorf("etcd has auth enabled and the proxy's own identity cannot read the whole keyspace; give it a user with the root role (--user name:password) or a client certificate naming one: %w", err)
-		f.lg.Error("cannot load the keyspace; not ready", zap.Error(err))
+		err = fmt.Errorf("%w; give it a user with the root role (--user name:password) or a client certificate naming one: %w", ErrIdentityRefused, err)
+	}
+	prev := f.loadErr.Swap(&err)
+	switch {
+	case prev != nil && sameFailure(*prev, err):
+		f.lg.Debug("loading the keyspace from etcd failed again", zap.Error(err))
+	case errors.Is(err, errUnsupportedRelease):
+		f.lg.Error("cannot follow etcd; not ready", zap.Error(err))
+	case errors.Is(err, ErrIdentityRefused):
+		f.lg.Warn("cannot load the keyspace until etcd lets the proxy read it; retrying", zap.Error(err))
 	default:
 		f.lg.Warn("loading the keyspace from etcd failed; retrying", zap.Error(err))
 	}
-	f.loadErr.Store(&err)
+}
+
+// sameFailure reports whether two load failures are the same for the log.
+func sameFailure(a, b error) bool {
+	return errors.Is(a, ErrIdentityRefused) == errors.Is(b, ErrIdentityRefused) &&
+		errors.Is(a, errUnsupportedRelease) == errors.Is(b, errUnsupportedRelease) &&
+		(errors.Is(a, ErrIdentityRefused) || errors.Is(a, errUnsupportedRelease) || a.Error() == b.Error())
 }
 
 // loadError is a load that failed: the feed waits and loads again.
@@ -224,7 +245,9 @@ func (f *Follower) loadKeyspace(ctx context.Context, at *pb.ResponseHeader, hist
 			zap.Bool("retained-history", history),
 			zap.Duration("took", time.Since(start)))
 		f.m.observeLoad()
-		f.loadErr.Store(nil)
+		if prev := f.loadErr.Swap(nil); prev != nil && errors.Is(*prev, ErrIdentityRefused) {
+			f.lg.Info("etcd lets the proxy read the keyspace now: the cache is on")
+		}
 		f.loading.Store(false)
 		f.readyAt(current)
 		return nil

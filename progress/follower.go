@@ -2,6 +2,7 @@ package progress
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -193,6 +194,12 @@ func (f *Follower) LoadError() error {
 		return *p
 	}
 	return nil
+}
+
+// IdentityRefused reports whether the last load failed because etcd
+// refuses the proxy's own identity the keyspace (ErrIdentityRefused).
+func (f *Follower) IdentityRefused() bool {
+	return errors.Is(f.LoadError(), ErrIdentityRefused)
 }
 
 // Following reports whether the upstream watch is currently established.

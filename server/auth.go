@@ -66,6 +66,31 @@ var anonymousChecker = func() *authcache.Checker {
 	return c
 }()
 
+// hasIdentity reports whether the proxy reaches etcd with an identity of
+// its own: a user (--user), or a client certificate whose common name etcd
+// takes for one.
+func (s *Server) hasIdentity() bool { return s.cfg.User != "" || s.upstreamCN != "" }
+
+// forwarding reports whether every request goes to etcd as it came, as
+// etcd's grpc-proxy sends it: etcd has auth enabled and the proxy has no
+// identity of its own, so it can neither read the keyspace nor tell what
+// any caller may do, and etcd judges each request by the caller's own
+// token, or as anonymous. Nothing is served from the cache then, even a
+// cache loaded while auth was disabled. Without an identity the proxy's
+// connection carries no one's permissions, so a certificate caller's
+// request, which cannot go as that caller, goes as anonymous. (A proxy
+// whose own identity etcd refuses is misconfigured instead: it is not
+// ready, and says why.)
+func (s *Server) forwarding() bool {
+	if s.hasIdentity() {
+		return false
+	}
+	if on, known := s.authMirror.Enabled(); known {
+		return on
+	}
+	return !s.follower.Serving() && s.follower.IdentityRefused()
+}
+
 // authFor returns the checker that binds a request of c, and c's identity
 // in it: a nil checker when auth is disabled (everything is allowed). With
 // fresh, the auth state is proven as of after the request arrived.
@@ -73,6 +98,9 @@ var anonymousChecker = func() *authcache.Checker {
 // attribute, or no mirror to check it with).
 func (s *Server) authFor(ctx context.Context, c caller, fresh bool) (*authcache.Checker, authcache.Identity, error) {
 	var none authcache.Identity
+	if s.forwarding() {
+		return nil, none, kvproxy.ErrAskEtcd
+	}
 	enabled, rev := false, uint64(0)
 	if fresh {
 		var err error
@@ -251,7 +279,10 @@ func (s *Server) authorizeWatch(ctx context.Context, key, rangeEnd []byte) error
 // its token is one the proxy cannot attribute.
 func (s *Server) relayWatch(ctx context.Context) bool {
 	c := s.callerOf(ctx)
-	if c.kind != tokenCaller {
+	switch {
+	case s.forwarding():
+		return true
+	case c.kind != tokenCaller:
 		return false
 	}
 	_, _, err := s.authFor(ctx, c, false)
@@ -284,6 +315,13 @@ func (s *Server) admit(ctx context.Context, method string) (_ context.Context, c
 	}
 	c := s.callerOf(ctx)
 	switch {
+	case s.forwarding():
+		// As it came: a certificate caller's goes as anonymous (asProxy,
+		// the proxy having no identity), which etcd judges.
+		if c.kind == certCaller {
+			return asProxy(ctx), nil
+		}
+		return ctx, nil
 	case c.kind == tokenCaller:
 		return ctx, nil // with its token: etcd checks it
 	case c.kind == anonymous && s.upstreamCN == "":

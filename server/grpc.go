@@ -97,6 +97,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		MaxForwardedReads:      s.cfg.MaxForwardedReads,
 		MaxCachedReadBytes:     s.cfg.MaxCachedReadBytes,
 		Inconsistent:           s.checker.Fallback,
+		Forwarding:             s.forwarding,
 		Authorize:              s.authorizeRead,
 	}))
 	s.watch = watchproxy.New(watchproxy.Config{

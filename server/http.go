@@ -62,6 +62,8 @@ func newHTTPMux(e httpEndpoints, pprof bool) *http.ServeMux {
 type probeCheck struct {
 	name  string
 	check func() error
+	// note, if set, says more of a passing check: what is off, and why.
+	note func() string
 }
 
 // probes are the Kubernetes-style health probes: /livez and /readyz answer
@@ -99,6 +101,12 @@ func probeHandler(probe string, checks []probeCheck) http.Handler {
 				failed = true
 				fmt.Fprintf(&report, "[-]%s failed: %v\n", c.name, err)
 				continue
+			}
+			if c.note != nil {
+				if n := c.note(); n != "" {
+					fmt.Fprintf(&report, "[+]%s ok: %s\n", c.name, n)
+					continue
+				}
 			}
 			fmt.Fprintf(&report, "[+]%s ok\n", c.name)
 		}

@@ -398,6 +398,13 @@ func Start(cfg Config) (*Server, error) {
 		Name: "etcd_snapcache_upstream_watch_connected",
 		Help: "1 while the upstream watch that feeds the cache is established.",
 	}, func() float64 { return boolGauge(s.follower.Following()) }))
+	for _, m := range []string{modeCache, modeLoading, modeForwarding, modeFallback} {
+		s.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name:        "etcd_snapcache_mode",
+			Help:        "1 for what the proxy serves from now: cache (the cache answers for etcd), loading (the cache is being loaded or reloaded), forwarding (the cache is off: the proxy has no identity of its own and etcd has auth enabled, so every request goes to etcd as it came), fallback (the consistency checker found the cache inconsistent: reads and watches go to etcd).",
+			ConstLabels: prometheus.Labels{"mode": m},
+		}, func() float64 { return boolGauge(s.mode() == m) }))
+	}
 
 	if s.clientLis, err = net.Listen("tcp", cfg.ListenAddr); err != nil {
 		return nil, fmt.Errorf("--listen-addr %s: %w", cfg.ListenAddr, err)
@@ -507,7 +514,7 @@ func (s *Server) newHTTPEndpoints() (httpEndpoints, error) {
 		upstreamEPs:  s.client.Endpoints(),
 		self:         s.self,
 		probes: &probes{
-			livez:  []probeCheck{{"ping", func() error { return nil }}},
+			livez:  []probeCheck{{name: "ping", check: func() error { return nil }}},
 			readyz: s.readyChecks(),
 		},
 	}, nil
@@ -520,8 +527,12 @@ func (s *Server) newHTTPEndpoints() (httpEndpoints, error) {
 // check).
 func (s *Server) readyChecks() []probeCheck {
 	return []probeCheck{
-		{"cache", func() error {
+		{name: "cache", note: s.forwardingNote, check: func() error {
 			switch {
+			case s.forwarding():
+				// Every request goes to etcd, which answers it: the
+				// proxy is a correct proxy, without its cache.
+				return nil
 			case s.follower.Serving():
 				return nil
 			case s.follower.IsReady():
@@ -532,7 +543,7 @@ func (s *Server) readyChecks() []probeCheck {
 			}
 			return errors.New("the cache is loading")
 		}},
-		{"auth", func() error {
+		{name: "auth", check: func() error {
 			// Until then a cached read must ask etcd for its auth
 			// state (an AuthStatus, which etcd commits through raft)
 			// before it is served.
@@ -541,10 +552,13 @@ func (s *Server) readyChecks() []probeCheck {
 			}
 			return nil
 		}},
-		{"upstream", func() error {
+		{name: "upstream", check: func() error {
+			if s.forwarding() {
+				return nil // no cache for the watch to feed
+			}
 			return upstreamLost(s.follower.NotFollowingSince(), time.Now(), s.cfg.UpstreamLostThreshold)
 		}},
-		{"shutdown", func() error {
+		{name: "shutdown", check: func() error {
 			if s.draining.Load() {
 				return errors.New("process is shutting down")
 			}
@@ -552,6 +566,40 @@ func (s *Server) readyChecks() []probeCheck {
 		}},
 	}
 }
+
+// forwardingNote says, while the cache is off because the proxy has no
+// identity of its own in front of an etcd with auth enabled, what it does
+// instead and how to turn the cache on; "" otherwise.
+func (s *Server) forwardingNote() string {
+	if !s.forwarding() {
+		return ""
+	}
+	return "the cache is off, every request goes to etcd as it came (as etcd's grpc-proxy sends it): etcd has auth enabled and the proxy has no identity of its own; give it a user with the root role (--user) or a client certificate naming one to turn the cache on"
+}
+
+// mode is what the proxy serves from: "cache" (the cache answers for
+// etcd), "loading" (it is being loaded or reloaded), "forwarding" (it is
+// off: no identity of its own in front of an etcd with auth enabled), or
+// "fallback" (the consistency checker found it inconsistent).
+func (s *Server) mode() string {
+	switch {
+	case s.forwarding():
+		return modeForwarding
+	case s.checker.Fallback():
+		return modeFallback
+	case s.follower.Serving():
+		return modeCache
+	}
+	return modeLoading
+}
+
+// The values of mode, and of the mode metric's label.
+const (
+	modeCache      = "cache"
+	modeLoading    = "loading"
+	modeForwarding = "forwarding"
+	modeFallback   = "fallback"
+)
 
 // upstreamLost is the upstream check's verdict: an error once the upstream
 // watch has been down (since down, zero while it is up) for longer than

@@ -124,8 +124,10 @@ report() {
   local log=$1 t=$2 rc=$3
   if [ "$rc" -eq 0 ]; then
     grep -E "^--- (PASS|SKIP): $t " "$log" || echo "--- PASS: $t (exit 0, no result line)"
-    grep -E "^--- SKIP: $t " -A3 "$log" | grep -vE '^--- ' | head -3 | sed 's/^/      /'
-    grep -E "^ +--- SKIP: $t/" "$log"
+    grep -E "^--- SKIP: $t " -A3 "$log" | grep -vE '^--- |^PASS$' | head -3 | sed 's/^/      /'
+    grep -E "^ +--- SKIP: $t/" "$log" | awk '
+      NR <= 4
+      END { if (NR > 4) print "        ... and " NR - 4 " more skipped subtests" }'
     return
   fi
   grep -E "^--- FAIL: $t |^ +--- FAIL: " "$log" || echo "--- FAIL: $t (exit $rc, no result line: $(grep -E '^panic:|test timed out' "$log" | head -1))"
@@ -211,7 +213,9 @@ runpkg() {
         -test.run "^$t\$" -bin-dir="$wrapdir") > "$log" 2>&1 || rc=$?
     report "$log" "$t" "$rc"
     if [ $rc -ne 0 ]; then fail=$((fail + 1)); status=1
-    elif skipped "$log" "$t"; then skip=$((skip + 1))
+    elif skipped "$log" "$t"; then
+      skip=$((skip + 1))
+      grep -qE "^--- SKIP: $t " "$log" || echo "      (counted as skipped: every subtest was)"
     else pass=$((pass + 1)); fi
   done
   npass=$((npass + pass)) nfail=$((nfail + fail)) nskip=$((nskip + skip))
