@@ -62,7 +62,8 @@ integration-clients: build tools
 
 # etcd's own e2e tests (go.etcd.io/etcd/tests/v3, cluster_proxy mode) with
 # etcd-snapcache started by the framework's unmodified `etcd grpc-proxy start`
-# command lines (integration/e2e, its own module; about 4 minutes on 2 cores).
+# command lines (integration/e2e, its own module; about 16 minutes on 2
+# cores, etcd's whole common package most of it).
 integration-e2e: build tools-etcd
 	cd integration/e2e && $(GO) vet -tags cluster_proxy ./... && ./run.sh
 

@@ -25,7 +25,8 @@
 #   E2E_TESTS_LOCAL   tests of this package (default below)
 #                     Each is a list of test names; empty: none of the
 #                     package's; all: every test the package's test binary
-#                     lists (-test.list), each in a process of its own too.
+#                     lists (-test.list), each in a process of its own too;
+#                     a name with a leading - is left out ("all -TestX").
 #   E2E_PROXY         snapcache (default), or etcd: the real `etcd grpc-proxy`,
 #                     to tell the framework's or the test's own failures from
 #                     etcd-snapcache's
@@ -62,23 +63,21 @@ default_etcd="TestCtlV3LeaseKeepAlive TestCtlV3LeaseKeepAliveNoTLS TestCtlV3Leas
   TestCtlV3WatchNoTLS TestCtlV3WatchClientTLS TestCtlV3WatchPeerTLS
   TestCtlV3GetFormat TestCtlV3GetRev TestCtlV3PutClientTLSFlagByEnv TestCtlV3GetRevokedCRL
   TestCtlV3MoveLeaderScenarios TestTxnRangeConsistency TestCtlV3AuthEndpointHealth"
-# go.etcd.io/etcd/tests/v3/common (-tags e2e): each over NoTLS (one member),
-# PeerTLS+ClientTLS and PeerAutoTLS+ClientAutoTLS (three members).
-default_common="TestKVPut TestKVGet TestWatch TestMemberList"
+# go.etcd.io/etcd/tests/v3/common (-tags e2e): the whole package (about 11
+# minutes on 2 cores), each test over NoTLS (one member), PeerTLS+ClientTLS
+# and PeerAutoTLS+ClientAutoTLS (three members), or the configurations it
+# sets itself. Left out, as it fails through etcd's grpc-proxy the same way
+# (E2E_PROXY=etcd): TestAuthority. Its clients dial the members' own ports,
+# bypassing the proxy, and it then looks in a member's log for the proxy's
+# port as the :authority of the first request; the first one there is the
+# proxy's own connection, with the member's port, whatever the proxy.
+default_common="all -TestAuthority"
 # This package: etcd's e2e/watch_test.go, which cluster_proxy builds leave
 # out, copied (not TestResumeCompactionOnTombstone: it needs an etcd built
 # with gofail failpoints); then two tests of ours: --metrics-addr URLs on
 # three proxies, and a serializable read right after a write at start.
-#
-# Not in the default selection, a known difference: TestDeleteEventDrop_Issue18089
-# writes and compacts within milliseconds of the proxy's start and wants the
-# watch from the compaction revision answered within 100 ms. The proxy's
-# first watch, made while etcd already moved on, is one etcd catches up on
-# its 100 ms sync pass; the compaction cancels it first, the proxy reloads,
-# and the client's watch from 5 is caught up from etcd on the next pass.
-# The answer is etcd's, but late. Run it with E2E_TESTS_LOCAL=... .
 default_local="TestWatchDelayForPeriodicProgressNotification TestWatchDelayForManualProgressNotification
-  TestWatchDelayForEvent TestStartWatcherFromCompactedRevision
+  TestWatchDelayForEvent TestStartWatcherFromCompactedRevision TestDeleteEventDrop_Issue18089
   TestWatchWithLowPermissionUser TestGrpcProxyMetricsAddr TestSerializableReadAfterWriteAtStart"
 tests_etcd=${E2E_TESTS_ETCD-$default_etcd}
 tests_common=${E2E_TESTS_COMMON-$default_common}
@@ -199,14 +198,22 @@ runpkg() {
   fi
   [ -n "$dir" ] || dir=$(cd "$here" && go list -tags "$tags" -f '{{.Dir}}' "$pkg") ||
     { status=1; counts+="  $pkg: go list failed"$'\n'; return; }
-  if [ "$tests" = all ]; then
+  local t want=() out=()
+  for t in $tests; do
+    case $t in -*) out+=("${t#-}") ;; *) want+=("$t") ;; esac
+  done
+  if [ "${want[*]}" = all ]; then
     # -test.list prints the tests, benchmarks, fuzz tests and examples that
     # match; TestMain, which runs the others, is not one (go test leaves it
     # out of the list; the filter keeps it out all the same).
-    tests=$(cd "$dir" && "$bin" -test.list '.*' -bin-dir="$wrapdir" | grep -E '^Test' | grep -vx TestMain) ||
+    want=($(cd "$dir" && "$bin" -test.list '.*' -bin-dir="$wrapdir" | grep -E '^Test' | grep -vx TestMain)) ||
       { echo "e2e: $pkg: listing its tests failed"; status=1; counts+="  $pkg: listing failed"$'\n'; return; }
-    echo "e2e: $pkg: $(echo $tests | wc -w) tests"
   fi
+  tests=
+  for t in "${want[@]}"; do
+    [[ " ${out[*]} " == *" $t "* ]] || tests+="$t "
+  done
+  echo "e2e: $pkg: $(echo $tests | wc -w) tests${out[*]:+, leaving out ${out[*]}}"
   for t in $tests; do
     local log=$logdir/$name/$t.log rc=0
     (cd "$dir" && EXPECT_DEBUG=1 "$bin" -test.v -test.count=1 -test.timeout "$timeout" \
