@@ -9,6 +9,7 @@ package integration
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -18,6 +19,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/storage/mvcc"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 )
 
@@ -619,5 +621,67 @@ func TestWatchDifferentialUpstreamCut(t *testing.T) {
 		if diff := proxytest.DiffEvents(eventsUpTo(dw[id].events, stood), pw[id].events); diff != "" {
 			t.Fatalf("watch %d stood at %d when etcd compacted at %d: %s\netcd:\n%s\nproxy:\n%s", id, stood, compactRev, diff, dumpResponses(d), dumpResponses(p))
 		}
+	}
+}
+
+// TestWatchDifferentialPrevKVAtCompaction: a watch with prev_kv from etcd's
+// compaction revision C gets the event at C without prev_kv (etcd reads it
+// at C-1, compacted), a PUT and a DELETE alike, and the later events with
+// theirs, however the proxy learned the compaction: a Compact through it,
+// kube-apiserver's compact_rev_key Txn followed by a Compact straight to
+// etcd, or its probe of a Compact straight to etcd.
+func TestWatchDifferentialPrevKVAtCompaction(t *testing.T) {
+	for _, source := range []string{"proxy", "compact_rev_key", "probe"} {
+		t.Run(source, func(t *testing.T) {
+			c := newCluster(t, clusterOptions{})
+			ctx := context.Background()
+			w := etcdWriter{t, c.direct}
+			w.put("p/put", "1")
+			w.put("p/del", "1")
+			w.put("p/put", "2")
+			w.put("p/del", "2")
+			putRev := w.put("p/put", "3") // its previous version, at 4, is below it
+			delRev := w.del("p/del")
+			w.put("p/put", "4")
+			w.put("p/del", "reborn")
+			for _, compactRev := range []int64{putRev, delRev} {
+				switch source {
+				case "proxy":
+					if _, err := c.viaProxy.Compact(ctx, compactRev); err != nil {
+						t.Fatal(err)
+					}
+				case "compact_rev_key":
+					// kube-apiserver's compactor: the revision in
+					// compact_rev_key, then a Compact straight to etcd.
+					w.put("compact_rev_key", strconv.FormatInt(compactRev, 10))
+					if _, err := c.direct.Compact(ctx, compactRev); err != nil {
+						t.Fatal(err)
+					}
+				case "probe":
+					if _, err := c.direct.Compact(ctx, compactRev); err != nil {
+						t.Fatal(err)
+					}
+				}
+				testsupport.WaitFor(t, waitTimeout, "the proxy to mirror the compaction", func() bool {
+					return c.proxy.Store().CompactRev() == compactRev
+				})
+				head := w.put("p/zz-end", strconv.FormatInt(compactRev, 10))
+				c.waitSynced(t)
+				pr := openStreamPair(t, c)
+				pr.create(&pb.WatchCreateRequest{Key: []byte("p/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("p/")), StartRevision: compactRev, PrevKv: true})
+				pr.create(&pb.WatchCreateRequest{Key: []byte("p/"), RangeEnd: []byte(clientv3.GetPrefixRangeEnd("p/")), StartRevision: compactRev + 1, PrevKv: true})
+				pr.waitCreated(2)
+				pr.syncTo(head)
+				d, p := pr.d.responses(), pr.p.responses()
+				compareStreams(t, fmt.Sprintf("from the compaction revision %d", compactRev), d, p, compareOpts{quiescent: true})
+				_, dw, _ := splitResponses(d)
+				if evs := dw[0].events; len(evs) == 0 || evs[0].Kv.ModRevision != compactRev || evs[0].PrevKv != nil {
+					t.Fatalf("etcd's first event from the compaction revision %d: %s", compactRev, dumpResponses(dw[0].resps))
+				}
+			}
+			if n := c.proxyMetric(t, "etcd_snapcache_compactions_observed_total", map[string]string{"source": source}); n == 0 {
+				t.Errorf("no compaction was learned through %s", source)
+			}
+		})
 	}
 }
