@@ -18,6 +18,7 @@ import (
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
+	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -81,8 +82,10 @@ type Follower interface {
 	Serving() bool
 	// WaitRevision waits until the store has applied rev.
 	WaitRevision(ctx context.Context, rev int64) error
-	// Fence proves the store fresh for a linearizable read at rev.
-	Fence(ctx context.Context, rev int64) (int64, error)
+	// BeginFence begins proving the store fresh for a linearizable read
+	// at rev, and returns the proof to wait for: the read checks
+	// permissions meanwhile.
+	BeginFence(rev int64) progress.FenceCall
 	// FillHeader sets the member fields of a header served from the store.
 	FillHeader(h *pb.ResponseHeader)
 	// ObserveHeader records an upstream response's header.
@@ -170,7 +173,6 @@ type Server struct {
 	budget       *byteBudget   // bytes of cached responses in flight; nil: no bound
 	queueWait    time.Duration // bound of a wait for admission without a deadline; maxQueueWait if 0
 	releases     releaseCache
-	beginner     fenceBeginner // follower, if it can begin fences; else nil
 }
 
 var _ pb.KVServer = (*Server)(nil)
@@ -206,9 +208,7 @@ func New(cfg Config) *Server {
 			return nil
 		}
 	}
-	beginner, _ := cfg.Follower.(fenceBeginner)
 	return &Server{
-		beginner:     beginner,
 		store:        cfg.Store,
 		follower:     cfg.Follower,
 		upstream:     cfg.Upstream,

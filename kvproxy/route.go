@@ -106,42 +106,23 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRul
 }
 
 // fenceCall is a read fence begun beside a request, bounded by the
-// freshness timeout from when it began. With a follower that can begin a
-// fence before waiting for it (progress.Follower), its quorum read runs on
-// the follower's probe goroutine while the request checks permissions, so
-// a read costs no goroutine, channel or context of its own: most readers
-// never block anywhere else. Other followers (tests' fakes) are asked
-// for the whole fence when the result is needed.
+// freshness timeout from when it began. Its quorum read runs on the
+// follower's probe goroutine while the request checks permissions, so a
+// read costs no goroutine, channel or context of its own: most readers
+// never block anywhere else.
 type fenceCall struct {
 	begun    bool
-	rev      int64
 	deadline time.Time
-	call     progress.FenceCall // with a fenceBeginner
-}
-
-// fenceBeginner is a Follower whose fence can begin before it is waited
-// for.
-type fenceBeginner interface {
-	BeginFence(rev int64) progress.FenceCall
+	call     progress.FenceCall
 }
 
 func (s *Server) beginFence(rev int64) fenceCall {
-	f := fenceCall{begun: true, rev: rev, deadline: time.Now().Add(s.fresh)}
-	if s.beginner != nil {
-		f.call = s.beginner.BeginFence(rev)
-	}
-	return f
+	return fenceCall{begun: true, deadline: time.Now().Add(s.fresh), call: s.follower.BeginFence(rev)}
 }
 
 // waitFence waits for f and returns its error.
 func (s *Server) waitFence(ctx context.Context, f *fenceCall) error {
-	if s.beginner != nil {
-		_, err := f.call.Wait(ctx, f.deadline)
-		return err
-	}
-	fctx, cancel := context.WithDeadline(ctx, f.deadline)
-	defer cancel()
-	_, err := s.follower.Fence(fctx, f.rev)
+	_, err := f.call.Wait(ctx, f.deadline)
 	return err
 }
 

@@ -63,11 +63,15 @@ func (f *fakeFollower) WaitRevision(ctx context.Context, rev int64) error {
 	return context.DeadlineExceeded
 }
 
-func (f *fakeFollower) Fence(ctx context.Context, rev int64) (int64, error) {
-	if f.fence != nil {
-		return f.fence(ctx, rev)
-	}
-	return f.store.Rev(), nil
+func (f *fakeFollower) BeginFence(rev int64) progress.FenceCall {
+	return progress.FenceOf(func(ctx context.Context, deadline time.Time) (int64, error) {
+		ctx, cancel := context.WithDeadline(ctx, deadline)
+		defer cancel()
+		if f.fence != nil {
+			return f.fence(ctx, rev)
+		}
+		return f.store.Rev(), nil
+	})
 }
 
 func (f *fakeFollower) FillHeader(h *pb.ResponseHeader) {

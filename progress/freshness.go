@@ -41,12 +41,22 @@ func (f *Follower) Fence(ctx context.Context, rev int64) (int64, error) {
 
 // FenceCall is a read fence begun (BeginFence) and not yet waited for.
 type FenceCall struct {
+	// wait, if set, is the whole fence: a FenceCall of another follower
+	// (FenceOf); the fields below are then unset.
+	wait  func(ctx context.Context, deadline time.Time) (int64, error)
 	f     *Follower
 	start time.Time
 	gen   uint64     // f.verified when it began
 	rev   int64      // the read's revision
 	probe *probeCall // the quorum read joined; nil with err
 	err   error      // why it failed as it began
+}
+
+// FenceOf returns a FenceCall whose Wait is wait: the fence of a follower
+// other than Follower (tests' fakes), which consumers then begin and wait
+// for as they do Follower's.
+func FenceOf(wait func(ctx context.Context, deadline time.Time) (int64, error)) FenceCall {
+	return FenceCall{wait: wait}
 }
 
 // BeginFence begins Fence for a read at rev without blocking: the quorum
@@ -77,6 +87,9 @@ var timers = sync.Pool{New: func() any {
 // Wait ends the fence as Fence does, giving up when ctx is done or, with
 // context.DeadlineExceeded, at deadline (zero: none). It is called once.
 func (c *FenceCall) Wait(ctx context.Context, deadline time.Time) (int64, error) {
+	if c.wait != nil {
+		return c.wait(ctx, deadline)
+	}
 	f := c.f
 	if c.gen == 0 {
 		return 0, c.err
