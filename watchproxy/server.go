@@ -66,14 +66,10 @@ type Store interface {
 	CompactRev() int64
 	HistoryStart() int64
 	EventsFrom(from, upTo int64, max int) ([]revtree.Batch, int64, error)
-}
-
-// heldEvents is a Store that also reads the events it still holds below its
-// compaction revision: EventsFrom without etcd's compaction check, failing
-// only with ErrNotRetained. Synced watchers read their events with it,
-// because etcd never cancels them for a compaction. With a Store that lacks
-// it, a synced watcher behind the compaction revision is canceled.
-type heldEvents interface {
+	// EventsHeld is EventsFrom without etcd's compaction check: the events
+	// the store still holds below its compaction revision, failing only
+	// with ErrNotRetained. Synced watchers read their events with it,
+	// because etcd never cancels them for a compaction.
 	EventsHeld(from, upTo int64, max int) ([]revtree.Batch, int64, error)
 }
 
@@ -118,7 +114,6 @@ type Server struct {
 	pb.UnsafeWatchServer
 
 	store           Store
-	eventsHeld      func(from, upTo int64, max int) ([]revtree.Batch, int64, error) // for synced watchers
 	follower        Follower
 	upstream        pb.WatchClient
 	inconsistent    func() bool
@@ -166,13 +161,8 @@ func New(cfg Config) *Server {
 	if cfg.Relay == nil {
 		cfg.Relay = hasToken
 	}
-	eventsHeld := cfg.Store.EventsFrom
-	if h, ok := cfg.Store.(heldEvents); ok {
-		eventsHeld = h.EventsHeld
-	}
 	return &Server{
 		store:           cfg.Store,
-		eventsHeld:      eventsHeld,
 		follower:        cfg.Follower,
 		upstream:        cfg.Upstream,
 		inconsistent:    cfg.Inconsistent,

@@ -420,7 +420,7 @@ func (st *stream) deliver() (more bool, err error) {
 func (st *stream) deliverFrom(from, rev int64) (more bool, err error) {
 	// Not EventsFrom: deliver canceled the unsynced watchers behind the
 	// compaction, and synced ones read below it.
-	batches, complete, err := st.s.eventsHeld(from, rev, maxRevisionsPerPass)
+	batches, complete, err := st.s.store.EventsHeld(from, rev, maxRevisionsPerPass)
 	if err != nil {
 		// Some watcher is behind the history: settle each on its own.
 		return st.deliverEach(rev)
@@ -441,7 +441,7 @@ func (st *stream) deliverEach(rev int64) (more bool, err error) {
 		if !w.active() || w.nextRev > rev {
 			continue
 		}
-		batches, complete, err := st.s.eventsHeld(w.nextRev, rev, maxRevisionsPerPass)
+		batches, complete, err := st.s.store.EventsHeld(w.nextRev, rev, maxRevisionsPerPass)
 		switch {
 		case errors.Is(err, revtree.ErrCompacted),
 			errors.Is(err, revtree.ErrNotRetained) && w.nextRev < st.s.store.CompactRev():

@@ -153,7 +153,7 @@ func newWorldAt(t *testing.T, rev int64, up pb.WatchClient, configure func(*Conf
 }
 
 // heldStore is a store that also reads the events it still holds below its
-// compaction revision (heldEvents), from the world's record of what was
+// compaction revision (Store.EventsHeld), from the world's record of what was
 // applied.
 type heldStore struct {
 	*revtree.Store
