@@ -131,10 +131,10 @@ func (s *Server) waitFence(ctx context.Context, f *fenceCall) error {
 // the store holds every write etcd acknowledged before the read arrived.
 func (s *Server) routeLinearizable(r *pb.RangeRequest, err error) route {
 	switch {
-	case errors.Is(err, progress.ErrCompacted):
-		return refused(reasonCompacted, rpctypes.ErrGRPCCompacted)
-	case errors.Is(err, progress.ErrFutureRev):
-		return refused(reasonFuture, rpctypes.ErrGRPCFutureRev)
+	case errors.Is(err, revtree.ErrCompacted):
+		return refused(reasonCompacted, togRPCError(err))
+	case errors.Is(err, revtree.ErrFutureRev):
+		return refused(reasonFuture, togRPCError(err))
 	case err != nil:
 		why := reasonFreshTimeout
 		if !errors.Is(err, context.DeadlineExceeded) {
@@ -155,7 +155,7 @@ func (s *Server) routeView(rev int64, why reason) route {
 	case err == nil:
 		return cached(view, why)
 	case errors.Is(err, revtree.ErrCompacted):
-		return refused(reasonCompacted, rpctypes.ErrGRPCCompacted)
+		return refused(reasonCompacted, togRPCError(err))
 	case errors.Is(err, revtree.ErrNotRetained):
 		return forwarded(reasonNotRetained)
 	default:
@@ -163,6 +163,20 @@ func (s *Server) routeView(rev int64, why reason) route {
 		// the fence above unless a reload intervened: etcd decides.
 		return forwarded(reasonNotReady)
 	}
+}
+
+// togRPCError is etcd's gRPC error for the store's and the read fence's
+// answers that etcd gives too (as etcd's v3rpc togRPCError): the one place
+// they are translated. Other errors are not etcd's answers, and are
+// returned as they are.
+func togRPCError(err error) error {
+	switch {
+	case errors.Is(err, revtree.ErrCompacted):
+		return rpctypes.ErrGRPCCompacted
+	case errors.Is(err, revtree.ErrFutureRev):
+		return rpctypes.ErrGRPCFutureRev
+	}
+	return err
 }
 
 // isSmall reports whether etcd answers r cheaply: one key, a small limit,

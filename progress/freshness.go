@@ -9,13 +9,18 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
 var (
-	// ErrCompacted: etcd refused the read revision as compacted.
-	ErrCompacted = errors.New("progress: revision compacted in etcd")
-	// ErrFutureRev: the read revision is above etcd's head.
-	ErrFutureRev = errors.New("progress: revision is a future revision in etcd")
+	// ErrCompacted: etcd refused the read revision as compacted. It is
+	// the store's error for the same answer, so that consumers translate
+	// one error, wherever it came from.
+	ErrCompacted = revtree.ErrCompacted
+	// ErrFutureRev: the read revision is above etcd's head (the store's
+	// error for the same answer).
+	ErrFutureRev = revtree.ErrFutureRev
 	// ErrAhead is returned by WaitRevision when etcd answered a progress
 	// request, sent after the call began, with a revision below the one
 	// waited for: as far as the cache can tell, that revision is in the
