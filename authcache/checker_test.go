@@ -17,8 +17,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/authcache"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // etcd's Lock and Election in-process client outlives etcd (see
@@ -70,7 +70,7 @@ func TestCheckerMatchesEtcd(t *testing.T) {
 	}
 	t.Logf("seed %d (rerun with SNAPCACHE_SEED=%d)", seed, seed)
 	r := rand.New(rand.NewPCG(seed, seed>>1))
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	ep := "http://" + e.Clients[0].Addr().String()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

@@ -9,8 +9,8 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // TestAuthTokensAfterEtcdRestart: an etcd restart ends every simple token,
@@ -25,7 +25,7 @@ func TestAuthTokensAfterEtcdRestart(t *testing.T) {
 	dir := t.TempDir()
 	env.start(dir)
 	setUpAuth(t, callerClient(t, env.clientURL, "", "", nil))
-	p := proxytest.StartProxy(t, server.Config{
+	p := servertest.StartProxy(t, server.Config{
 		Endpoints: []string{env.clientURL}, ListenAddr: "127.0.0.1:0",
 		User: "root", Password: "rootpw",
 		Logger: zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)),

@@ -17,8 +17,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // setUpAuth creates root (role root) and alice, whose role may read and
@@ -54,10 +54,10 @@ func setUpAuth(t testing.TB, admin *clientv3.Client) {
 // client of etcd as root.
 func startAuthProxy(t *testing.T) (string, *server.Server, *clientv3.Client) {
 	t.Helper()
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	etcdEP := "http://" + e.Clients[0].Addr().String()
 	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := proxytest.StartProxy(t, server.Config{
+	p := servertest.StartProxy(t, server.Config{
 		Endpoints: []string{etcdEP}, ListenAddr: "127.0.0.1:0",
 		User: "root", Password: "rootpw",
 		Logger: zaptest.NewLogger(t),
@@ -182,7 +182,7 @@ func TestAuthCertificateIdentityNotLent(t *testing.T) {
 	curl := startTLSEtcd(t, pki, dir)
 
 	setUpAuth(t, callerClient(t, curl.String(), "", "", pki.tlsConfig(t, rootCert, rootKey)))
-	p := proxytest.StartProxy(t, server.Config{
+	p := servertest.StartProxy(t, server.Config{
 		Endpoints:   []string{curl.String()},
 		ListenAddr:  "127.0.0.1:0",
 		UpstreamTLS: transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: rootCert, KeyFile: rootKey},

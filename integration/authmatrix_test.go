@@ -29,8 +29,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // authFollowWithin bounds how long the proxy may take to answer as etcd
@@ -175,7 +175,7 @@ func matrixLogger(t *testing.T) *zap.Logger {
 // startPasswordMatrix: a plain etcd, the proxy (behind a second proxy if
 // tiered) with root's password, callers with passwords.
 func startPasswordMatrix(t *testing.T, tiered bool) *matrixEnv {
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	env := &matrixEnv{mode: "password", etcdEP: "http://" + e.Clients[0].Addr().String(), tokenCaller: "anonymous", tokenTLS: func(*testing.T) *tls.Config { return nil }}
 	setUpAuth(t, callerClient(t, env.etcdEP, "", "", nil))
 	env.root = callerClient(t, env.etcdEP, "root", "rootpw", nil)
@@ -183,14 +183,14 @@ func startPasswordMatrix(t *testing.T, tiered bool) *matrixEnv {
 	upstream := env.etcdEP
 	if tiered {
 		env.mode = "tiered"
-		inner := proxytest.StartProxy(t, server.Config{
+		inner := servertest.StartProxy(t, server.Config{
 			Endpoints: []string{upstream}, ListenAddr: "127.0.0.1:0",
 			User: "root", Password: "rootpw",
 			Logger: matrixLogger(t).Named("inner"),
 		})
 		upstream = "http://" + inner.Addr()
 	}
-	env.proxy = proxytest.StartProxy(t, server.Config{
+	env.proxy = servertest.StartProxy(t, server.Config{
 		Endpoints: []string{upstream}, ListenAddr: "127.0.0.1:0",
 		User: "root", Password: "rootpw",
 		Logger: matrixLogger(t),
@@ -244,7 +244,7 @@ func startCertMatrix(t *testing.T) *matrixEnv {
 	setUpAuth(t, callerClient(t, env.etcdEP, "", "", tlsFor(t, "root")))
 	env.root = callerClient(t, env.etcdEP, "", "", tlsFor(t, "root"))
 	env.r0 = env.etcdRev(t) - 1
-	env.proxy = proxytest.StartProxy(t, server.Config{
+	env.proxy = servertest.StartProxy(t, server.Config{
 		Endpoints:      []string{env.etcdEP},
 		ListenAddr:     "127.0.0.1:0",
 		UpstreamTLS:    transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: certs[""][0], KeyFile: certs[""][1]},

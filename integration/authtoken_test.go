@@ -23,8 +23,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // writeRSAKeys writes a new RSA key pair as PEM files into dir.
@@ -61,10 +61,10 @@ func TestAuthJWT(t *testing.T) {
 	dir := t.TempDir()
 	priv, pub, _ := writeRSAKeys(t, dir, "etcd")
 	_, _, forger := writeRSAKeys(t, dir, "forger")
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{AuthToken: "jwt,pub-key=" + pub + ",priv-key=" + priv + ",sign-method=RS256,ttl=10m"})
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{AuthToken: "jwt,pub-key=" + pub + ",priv-key=" + priv + ",sign-method=RS256,ttl=10m"})
 	etcdEP := server.EmbeddedEndpoint(e)
 	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := proxytest.StartProxy(t, server.Config{
+	p := servertest.StartProxy(t, server.Config{
 		Endpoints: []string{etcdEP}, ListenAddr: "127.0.0.1:0",
 		User: "root", Password: "rootpw",
 		AuthToken: "jwt,pub-key=" + pub + ",sign-method=RS256",
@@ -110,7 +110,7 @@ func TestAuthJWT(t *testing.T) {
 		}
 		return ""
 	}
-	proxytest.WaitReady(t, p)
+	servertest.WaitReady(t, p)
 	testsupport.WaitFor(t, waitTimeout, "the proxy to mirror etcd's auth", func() bool { return compare("alice's JWT", auth.Token) == "" })
 	cached := func() float64 {
 		return metricSum(t, p.Registry(), "etcd_snapcache_range_requests_total", map[string]string{"source": "cache"})
@@ -246,10 +246,10 @@ func TestAuthBadInput(t *testing.T) {
 // TestAuthProxyIdentityMustReadEverything: a proxy whose own user cannot
 // read the whole keyspace never becomes ready, and says why on /readyz.
 func TestAuthProxyIdentityMustReadEverything(t *testing.T) {
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	etcdEP := server.EmbeddedEndpoint(e)
 	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := proxytest.StartProxyUnready(t, server.Config{
+	p := servertest.StartProxyUnready(t, server.Config{
 		Endpoints: []string{etcdEP}, ListenAddr: "127.0.0.1:0",
 		User: "alice", Password: "alicepw",
 		Logger: zaptest.NewLogger(t),

@@ -22,7 +22,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // Shape of the benchmark data set: a kube-apiserver-like resource prefix.
@@ -158,7 +158,7 @@ func (env *benchEnv) fullRange() *pb.RangeRequest {
 // paginatedList reads the prefix at R the way kube-apiserver paginates, in
 // pages of benchPageSize, and returns the number of keys read.
 func (env *benchEnv) paginatedList(ctx context.Context, kv pb.KVClient) (int, error) {
-	return proxytest.ListPages(ctx, kv, env.prefix, env.rangeEnd, benchPageSize, env.rev)
+	return servertest.ListPages(ctx, kv, env.prefix, env.rangeEnd, benchPageSize, env.rev)
 }
 
 func benchRandomValue(rng *rand.ChaCha8) []byte {

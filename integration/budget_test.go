@@ -15,8 +15,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // budgetRevisions is how many revisions TestHistoryBudget writes: 10^4 in
@@ -28,7 +28,7 @@ var budgetRevisions = flag.Int("snapcache.budget.revisions", 10_000, "revisions 
 // if set, adjusts the proxy's configuration.
 func newBudgetCluster(tb testing.TB, budget int64, configure func(*server.Config)) *cluster {
 	tb.Helper()
-	e := proxytest.StartEtcd(tb, server.EmbeddedConfig{UnsafeNoFsync: true})
+	e := servertest.StartEtcd(tb, server.EmbeddedConfig{UnsafeNoFsync: true})
 	c := &cluster{etcd: e, etcdAddr: e.Clients[0].Addr().String()}
 	c.proxyCfg = server.Config{
 		Endpoints:               []string{"http://" + c.etcdAddr},
@@ -49,7 +49,7 @@ func newBudgetCluster(tb testing.TB, budget int64, configure func(*server.Config
 // writeConcurrently puts n values to keyOf(i) with workers goroutines and
 // returns the highest revision written, or the first error.
 func writeConcurrently(cli *clientv3.Client, n, workers int, keyOf func(i int) string) (int64, error) {
-	return proxytest.PutConcurrently(pb.NewKVClient(cli.ActiveConnection()), n, workers, func(i int) *pb.PutRequest {
+	return servertest.PutConcurrently(pb.NewKVClient(cli.ActiveConnection()), n, workers, func(i int) *pb.PutRequest {
 		return &pb.PutRequest{Key: []byte(keyOf(i)), Value: fmt.Appendf(nil, "value %d of %s", i, keyOf(i))}
 	})
 }
@@ -176,7 +176,7 @@ func TestHistoryBudget(t *testing.T) {
 			t.Fatalf("watch %d from %d: %v", i, from, w)
 		}
 		want := referenceEvents(t, c, &pb.WatchCreateRequest{Key: []byte(prefix), RangeEnd: []byte(clientv3.GetPrefixRangeEnd(prefix)), StartRevision: from, PrevKv: true}, head2)
-		if diff := proxytest.DiffEvents(want, eventsUpTo(w.events, head2)); diff != "" {
+		if diff := servertest.DiffEvents(want, eventsUpTo(w.events, head2)); diff != "" {
 			t.Fatalf("watch from %d (floor %d): %s", from, floor, diff)
 		}
 		t.Logf("watch from %d: %d events, as etcd's", from, len(want))

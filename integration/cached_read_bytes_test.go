@@ -16,8 +16,8 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // TestCachedReadBytesBounded: the bytes of responses served from the cache
@@ -32,8 +32,8 @@ func TestCachedReadBytesBounded(t *testing.T) {
 		keys   = 100
 		valueN = 20 << 10
 	)
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
-	p := proxytest.StartProxy(t, server.Config{
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
+	p := servertest.StartProxy(t, server.Config{
 		Endpoints:          []string{"http://" + e.Clients[0].Addr().String()},
 		ListenAddr:         "127.0.0.1:0",
 		MaxCachedReadBytes: bound,

@@ -14,8 +14,8 @@ import (
 	"go.etcd.io/etcd/server/v3/embed"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // waitTimeout bounds every wait for a condition in the package's tests.
@@ -62,7 +62,7 @@ type cluster struct {
 func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 	tb.Helper()
 	lg := zaptest.NewLogger(tb)
-	e := proxytest.StartEtcd(tb, server.EmbeddedConfig{
+	e := servertest.StartEtcd(tb, server.EmbeddedConfig{
 		AutoCompactionMode:      opts.autoCompactionMode,
 		AutoCompactionRetention: opts.autoCompactionRetention,
 		MaxRequestBytes:         uint(opts.maxRequestBytes),
@@ -75,7 +75,7 @@ func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 		upstream = c.relay.Addr()
 	}
 	if opts.tiered {
-		inner := proxytest.StartProxy(tb, server.Config{
+		inner := servertest.StartProxy(tb, server.Config{
 			Endpoints:               []string{"http://" + upstream},
 			ListenAddr:              "127.0.0.1:0",
 			CompactionProbeInterval: 20 * time.Millisecond,
@@ -109,7 +109,7 @@ func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 // startProxy starts (or restarts) the proxy and waits until it is ready.
 func (c *cluster) startProxy(tb testing.TB) {
 	tb.Helper()
-	p := proxytest.StartProxy(tb, c.proxyCfg)
+	p := servertest.StartProxy(tb, c.proxyCfg)
 	c.proxy = p
 	c.proxyAddr = p.Addr()
 	c.viaProxy = newClient(tb, c.proxyAddr)

@@ -21,8 +21,8 @@ import (
 	"go.etcd.io/etcd/server/v3/etcdserver/api/v3election/v3electionpb"
 	"go.etcd.io/etcd/server/v3/etcdserver/api/v3lock/v3lockpb"
 
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // httpPaths are grpc-proxy's HTTP endpoints and the Kubernetes-style
@@ -54,7 +54,7 @@ func TestHTTPEndpoints(t *testing.T) {
 		{"tls", true, "https://127.0.0.1:0"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+			e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 			cfg := server.Config{
 				Endpoints:   []string{"http://" + e.Clients[0].Addr().String()},
 				ListenAddr:  "127.0.0.1:0",
@@ -72,7 +72,7 @@ func TestHTTPEndpoints(t *testing.T) {
 				}
 				scheme, httpc = "https", &http.Client{Transport: &http.Transport{TLSClientConfig: clientTLS}}
 			}
-			p := proxytest.StartProxy(t, cfg)
+			p := servertest.StartProxy(t, cfg)
 			get := func(addr, path string) (int, string) {
 				resp, err := httpc.Get(scheme + "://" + addr + path)
 				if err != nil {
@@ -119,7 +119,7 @@ func TestHTTPEndpoints(t *testing.T) {
 // (the identity auth takes from a certificate's common name).
 func TestTLSIdentityReachesHandlers(t *testing.T) {
 	pki := newTestPKI(t, t.TempDir())
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	var mu sync.Mutex
 	var seen []string
 	record := func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
@@ -132,7 +132,7 @@ func TestTLSIdentityReachesHandlers(t *testing.T) {
 		}
 		return handler(ctx, req)
 	}
-	p := proxytest.StartProxy(t, server.Config{
+	p := servertest.StartProxy(t, server.Config{
 		Endpoints:         []string{"http://" + e.Clients[0].Addr().String()},
 		ListenAddr:        "127.0.0.1:0",
 		ServerTLS:         transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca},

@@ -12,9 +12,9 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // TestForwardedReadsNeverGoBack: the proxy's upstream connection spreads
@@ -27,7 +27,7 @@ import (
 // as a linearizable read, as one etcd member never goes back in time.
 func TestForwardedReadsNeverGoBack(t *testing.T) {
 	lg := zaptest.NewLogger(t)
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	etcdAddr := e.Clients[0].Addr().String()
 	etcdKV := pb.NewKVClient(rawConn(t, etcdAddr))
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -48,7 +48,7 @@ func TestForwardedReadsNeverGoBack(t *testing.T) {
 	// The lagging endpoint: a proxy that holds every revision from 1, and
 	// refuses linearizable reads at once once its upstream is cut.
 	relay := testsupport.NewRelay(t, etcdAddr)
-	lagging := proxytest.StartProxy(t, server.Config{
+	lagging := servertest.StartProxy(t, server.Config{
 		Endpoints:              []string{relay.Addr()},
 		ListenAddr:             "127.0.0.1:0",
 		FreshnessTimeout:       100 * time.Millisecond,
@@ -56,7 +56,7 @@ func TestForwardedReadsNeverGoBack(t *testing.T) {
 		Logger:                 lg.Named("lagging"),
 	})
 	put(9)
-	p := proxytest.StartProxy(t, server.Config{
+	p := servertest.StartProxy(t, server.Config{
 		Endpoints:               []string{"http://" + etcdAddr, "http://" + lagging.Addr()},
 		ListenAddr:              "127.0.0.1:0",
 		RevisionWait:            50 * time.Millisecond,

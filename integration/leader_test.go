@@ -20,8 +20,8 @@ import (
 	"go.etcd.io/etcd/server/v3/embed"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // TestRequireLeader: when the upstream member loses its leader, a watch
@@ -31,7 +31,7 @@ import (
 // three-member cluster loses its leader when two members stop.
 func TestRequireLeader(t *testing.T) {
 	members := startCluster(t, 3)
-	p := proxytest.StartProxy(t, server.Config{
+	p := servertest.StartProxy(t, server.Config{
 		Endpoints:  []string{"http://" + members[0].e.Clients[0].Addr().String()},
 		ListenAddr: "127.0.0.1:0",
 		Logger:     zaptest.NewLogger(t),

@@ -15,8 +15,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // TestNoIdentityForwardsEverything: a proxy started without an identity of
@@ -29,10 +29,10 @@ import (
 // disabled the proxy loads its cache and serves from it, without a
 // restart; enabled again, it forwards again.
 func TestNoIdentityForwardsEverything(t *testing.T) {
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	etcdEP := "http://" + e.Clients[0].Addr().String()
 	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := proxytest.StartProxyUnready(t, server.Config{
+	p := servertest.StartProxyUnready(t, server.Config{
 		Endpoints:   []string{etcdEP},
 		ListenAddr:  "127.0.0.1:0",
 		MetricsAddr: "127.0.0.1:0",
@@ -148,7 +148,7 @@ func TestNoIdentityForwardsEverything(t *testing.T) {
 		t.Fatal(err)
 	}
 	testsupport.WaitFor(t, waitTimeout, "the cache mode", func() bool { return mode() == "cache" })
-	proxytest.WaitReady(t, p)
+	servertest.WaitReady(t, p)
 	sameRange("anonymous read, auth disabled", anon, &pb.RangeRequest{Key: []byte("/secret"), Serializable: true})
 	if n := metricSum(t, p.Registry(), "etcd_snapcache_range_requests_total", map[string]string{"source": "cache"}); n == 0 {
 		t.Fatal("no range was served from the cache once auth was disabled")

@@ -25,8 +25,8 @@ import (
 	"go.etcd.io/etcd/server/v3/etcdserver/api/v3lock/v3lockpb"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // probeClient reads a proxy's /readyz (on its metrics address) and its
@@ -98,9 +98,9 @@ func (c *probeClient) waitReady() {
 // service says NOT_SERVING, while the proxy still answers; both recover
 // when the watch is back.
 func TestReadinessUpstreamLost(t *testing.T) {
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	r := testsupport.NewRelay(t, e.Clients[0].Addr().String())
-	p := proxytest.StartProxy(t, server.Config{
+	p := servertest.StartProxy(t, server.Config{
 		Endpoints:             []string{r.Addr()},
 		ListenAddr:            "127.0.0.1:0",
 		MetricsAddr:           "127.0.0.1:0",
@@ -131,12 +131,12 @@ func TestReadinessUpstreamLost(t *testing.T) {
 // first page), /readyz fails its cache check and the gRPC health service
 // says NOT_SERVING; both recover once the reload is done.
 func TestReadinessDuringReload(t *testing.T) {
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	var hold atomic.Bool
 	held := make(chan struct{}, 1)
 	gate := make(chan struct{})
 	var openGate sync.Once
-	p := proxytest.StartProxy(t, server.Config{
+	p := servertest.StartProxy(t, server.Config{
 		Endpoints:   []string{"http://" + e.Clients[0].Addr().String()},
 		ListenAddr:  "127.0.0.1:0",
 		MetricsAddr: "127.0.0.1:0",
@@ -244,8 +244,8 @@ func TestStopEndsEndlessStreams(t *testing.T) {
 	}
 
 	t.Run("cached and coalesced", func(t *testing.T) {
-		e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
-		p := proxytest.StartProxy(t, server.Config{
+		e := servertest.StartEtcd(t, server.EmbeddedConfig{})
+		p := servertest.StartProxy(t, server.Config{
 			Endpoints:  []string{"http://" + e.Clients[0].Addr().String()},
 			ListenAddr: "127.0.0.1:0",
 			Logger:     zaptest.NewLogger(t),
@@ -257,10 +257,10 @@ func TestStopEndsEndlessStreams(t *testing.T) {
 	})
 
 	t.Run("relayed", func(t *testing.T) {
-		e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+		e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 		etcdEP := "http://" + e.Clients[0].Addr().String()
 		enableRootAuth(t, rawConn(t, e.Clients[0].Addr().String()))
-		p := proxytest.StartProxy(t, server.Config{
+		p := servertest.StartProxy(t, server.Config{
 			Endpoints:  []string{etcdEP},
 			ListenAddr: "127.0.0.1:0",
 			User:       "root", Password: "rootpw",
@@ -289,8 +289,8 @@ func TestStopEndsEndlessStreams(t *testing.T) {
 // before it waits for open requests (here a Lock that cannot be taken),
 // and StopNow, a second signal, cuts them at once.
 func TestStopNotReadyFirstThenStopNow(t *testing.T) {
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
-	p := proxytest.StartProxy(t, server.Config{
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
+	p := servertest.StartProxy(t, server.Config{
 		Endpoints:   []string{"http://" + e.Clients[0].Addr().String()},
 		ListenAddr:  "127.0.0.1:0",
 		MetricsAddr: "127.0.0.1:0",

@@ -21,7 +21,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 func TestLeaseThroughProxy(t *testing.T) {
@@ -345,11 +345,11 @@ func TestWatchThroughProxy(t *testing.T) {
 	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithRev(first), clientv3.WithPrevKV()}
 	dw := c.direct.Watch(ctx, "w/", opts...)
 	pw := c.viaProxy.Watch(ctx, "w/", opts...)
-	if diff := proxytest.DiffEvents(collectEvents(t, dw, head), collectEvents(t, pw, head)); diff != "" {
+	if diff := servertest.DiffEvents(collectEvents(t, dw, head), collectEvents(t, pw, head)); diff != "" {
 		t.Fatalf("history: %s", diff)
 	}
 	head = write(9)
-	if diff := proxytest.DiffEvents(collectEvents(t, dw, head), collectEvents(t, pw, head)); diff != "" {
+	if diff := servertest.DiffEvents(collectEvents(t, dw, head), collectEvents(t, pw, head)); diff != "" {
 		t.Fatalf("live: %s", diff)
 	}
 

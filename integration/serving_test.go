@@ -21,8 +21,8 @@ import (
 	"go.etcd.io/etcd/server/v3/embed"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // TestReadinessFollowsTheLoad: /readyz and the gRPC health service say "not
@@ -30,7 +30,7 @@ import (
 // process is up, and both turn green once the load is done. The upstream is
 // given as a bare host:port.
 func TestReadinessFollowsTheLoad(t *testing.T) {
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	r := testsupport.NewRelay(t, e.Clients[0].Addr().String())
 	r.Cut()
 	p, err := server.Start(server.Config{
@@ -77,7 +77,7 @@ func TestReadinessFollowsTheLoad(t *testing.T) {
 	}
 
 	r.Restore()
-	proxytest.WaitReady(t, p)
+	servertest.WaitReady(t, p)
 	// Ready once the auth mirror's next probe (up to 250 ms after etcd
 	// is back) has learned etcd's auth state too.
 	testsupport.WaitFor(t, waitTimeout, "/readyz 200 after the load", func() bool {
@@ -106,7 +106,7 @@ func TestTLSBothWays(t *testing.T) {
 
 	curl := startTLSEtcd(t, pki, dir)
 
-	p := proxytest.StartProxy(t, server.Config{
+	p := servertest.StartProxy(t, server.Config{
 		Endpoints:   []string{curl.String()},
 		ListenAddr:  "127.0.0.1:0",
 		UpstreamTLS: transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: pki.clientCert, KeyFile: pki.clientKey},

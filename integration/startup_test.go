@@ -16,8 +16,8 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // TestWhileLoading (KEP-4568, one layer down): while the cache loads, small
@@ -26,7 +26,7 @@ import (
 // all is served from the cache. The load is held on its second page by the
 // BeforeLoadPage test hook.
 func TestWhileLoading(t *testing.T) {
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	direct := newClient(t, e.Clients[0].Addr().String())
 	ctx := context.Background()
 	for _, k := range []string{"a", "b", "c", "d"} {
@@ -105,7 +105,7 @@ func TestWhileLoading(t *testing.T) {
 	}
 
 	close(release)
-	proxytest.WaitReady(t, p)
+	servertest.WaitReady(t, p)
 	got, err := kv.Range(ctx, &pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z")})
 	if err != nil || got.Count != 4 {
 		t.Fatalf("after the load: %v, %v", got, err)
@@ -120,7 +120,7 @@ func TestWhileLoading(t *testing.T) {
 // and answers a watch from the compaction revision from that history,
 // with etcd's events.
 func TestCompactionRightAfterStart(t *testing.T) {
-	e := proxytest.StartEtcd(t, server.EmbeddedConfig{})
+	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	direct := newClient(t, e.Clients[0].Addr().String())
 	ctx := context.Background()
 	if _, err := direct.Put(ctx, "other", "v"); err != nil {
@@ -128,7 +128,7 @@ func TestCompactionRightAfterStart(t *testing.T) {
 	}
 	held, release := make(chan struct{}), make(chan struct{})
 	var once sync.Once
-	p := proxytest.StartProxyUnready(t, server.Config{
+	p := servertest.StartProxyUnready(t, server.Config{
 		Endpoints:   []string{server.EmbeddedEndpoint(e)},
 		ListenAddr:  "127.0.0.1:0",
 		MetricsAddr: "127.0.0.1:0",
@@ -156,7 +156,7 @@ func TestCompactionRightAfterStart(t *testing.T) {
 		}
 	}
 	close(release)
-	proxytest.WaitReady(t, p)
+	servertest.WaitReady(t, p)
 	proxy := newClient(t, p.Addr())
 	if _, err := proxy.Compact(ctx, delRev, clientv3.WithCompactPhysical()); err != nil {
 		t.Fatal(err)
@@ -176,7 +176,7 @@ func TestCompactionRightAfterStart(t *testing.T) {
 	if len(want) != 2 || want[0].Type != mvccpb.DELETE {
 		t.Fatalf("etcd's events from the compaction revision: %v", want)
 	}
-	if diff := proxytest.DiffEvents(want, got); diff != "" || len(got) != len(want) {
+	if diff := servertest.DiffEvents(want, got); diff != "" || len(got) != len(want) {
 		t.Fatalf("watch from the compaction revision %d: %s (%d events, etcd %d)", delRev, diff, len(got), len(want))
 	}
 	if n := p.Follower().Loads(); n != 1 {

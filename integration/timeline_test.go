@@ -19,8 +19,8 @@ import (
 	"go.etcd.io/etcd/server/v3/embed"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // timelineEnv is an etcd at fixed URLs, which a test can stop and replace
@@ -36,7 +36,7 @@ type timelineEnv struct {
 func newTimelineEnv(t *testing.T) *timelineEnv {
 	env := &timelineEnv{t: t, clientURL: "http://" + testsupport.FreeAddr(t), peerURL: "http://" + testsupport.FreeAddr(t)}
 	env.start(t.TempDir())
-	env.proxy = proxytest.StartProxy(t, server.Config{
+	env.proxy = servertest.StartProxy(t, server.Config{
 		Endpoints:               []string{env.clientURL},
 		ListenAddr:              "127.0.0.1:0",
 		CompactionProbeInterval: 100 * time.Millisecond,

@@ -17,7 +17,7 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 const catchupMetric = "etcd_snapcache_watch_catchups_total"
@@ -173,7 +173,7 @@ func TestWatchCatchupLongHistory(t *testing.T) {
 	d, p := pr.d.responses(), pr.p.responses()
 	_, dw, _ := splitResponses(d)
 	_, pw, _ := splitResponses(p)
-	if diff := proxytest.DiffEvents(dw[0].events, pw[0].events); diff != "" {
+	if diff := servertest.DiffEvents(dw[0].events, pw[0].events); diff != "" {
 		got := pw[0].events
 		var gap string
 		for i := 1; i < len(got); i++ {
@@ -305,7 +305,7 @@ func TestWatchCatchupWatchIDReuse(t *testing.T) {
 	for _, r := range evs[cycles] {
 		got = append(got, r.Events...)
 	}
-	if diff := proxytest.DiffEvents(want, got); diff != "" {
+	if diff := servertest.DiffEvents(want, got); diff != "" {
 		t.Fatalf("the last incarnation of watch 5, from %d: %s", final, diff)
 	}
 }

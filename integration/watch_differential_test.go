@@ -20,7 +20,7 @@ import (
 	"go.etcd.io/etcd/server/v3/storage/mvcc"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 var (
@@ -618,7 +618,7 @@ func TestWatchDifferentialUpstreamCut(t *testing.T) {
 		if cr := pw[id].canceled; cr == nil || cr.CompactRevision != compactRev {
 			t.Fatalf("watch %d: the proxy's cancel %s, want compact_revision %d", id, fmtMsg(cr), compactRev)
 		}
-		if diff := proxytest.DiffEvents(eventsUpTo(dw[id].events, stood), pw[id].events); diff != "" {
+		if diff := servertest.DiffEvents(eventsUpTo(dw[id].events, stood), pw[id].events); diff != "" {
 			t.Fatalf("watch %d stood at %d when etcd compacted at %d: %s\netcd:\n%s\nproxy:\n%s", id, stood, compactRev, diff, dumpResponses(d), dumpResponses(p))
 		}
 	}

@@ -22,8 +22,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // prefixWatch is a create request for every key under prefix.
@@ -91,7 +91,7 @@ func TestWatchCompactionAboveHeadKeepsSyncedWatchers(t *testing.T) {
 	if lw[0].canceled != nil || lw[2].canceled != nil {
 		t.Fatalf("a synced watch created after the compaction was canceled:\n%s", dumpResponses(late.responses()))
 	}
-	if diff := proxytest.DiffEvents(want, lw[0].events); diff != "" {
+	if diff := servertest.DiffEvents(want, lw[0].events); diff != "" {
 		t.Fatalf("watch created at the proxy's head after the compaction: %s", diff)
 	}
 	var fromCompaction []*mvccpb.Event
@@ -100,7 +100,7 @@ func TestWatchCompactionAboveHeadKeepsSyncedWatchers(t *testing.T) {
 			fromCompaction = append(fromCompaction, ev)
 		}
 	}
-	if diff := proxytest.DiffEvents(fromCompaction, lw[2].events); diff != "" {
+	if diff := servertest.DiffEvents(fromCompaction, lw[2].events); diff != "" {
 		t.Fatalf("watch from the compaction revision: %s", diff)
 	}
 	if r := lw[1].canceled; r == nil || r.CompactRevision != compactRev || r.Header.GetRevision() != 0 || len(lw[1].events) != 0 {
@@ -227,7 +227,7 @@ func TestWatchCatchupStalledClientsDoNotStarveOthers(t *testing.T) {
 	ninth.waitCreated(1)
 	ninth.syncTo(head)
 	_, ws, _ := splitResponses(ninth.responses())
-	if diff := proxytest.DiffEvents(want, eventsUpTo(ws[0].events, head)); diff != "" {
+	if diff := servertest.DiffEvents(want, eventsUpTo(ws[0].events, head)); diff != "" {
 		t.Fatalf("the ninth client's watch from %d: %s", first, diff)
 	}
 	testsupport.WaitFor(t, waitTimeout, "the eight stalled catch-ups to give their slots up", func() bool {

@@ -21,7 +21,7 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // watchStream is one raw Watch stream whose responses are all recorded, in
@@ -677,7 +677,7 @@ func checkProgressBehindHistory(t *testing.T, c *cluster, prefix string, cr *pb.
 		t.Fatalf("progress at %d, below etcd's revision %d when it was requested", r.Header.Revision, head)
 	}
 	_, ws, _ := splitResponses(log[:i])
-	if diff := proxytest.DiffEvents(eventsUpTo(want, r.Header.Revision), ws[1].events); diff != "" {
+	if diff := servertest.DiffEvents(eventsUpTo(want, r.Header.Revision), ws[1].events); diff != "" {
 		t.Fatalf("progress at %d sent before the watcher's events up to it (%d events sent before it): %s", r.Header.Revision, len(ws[1].events), diff)
 	}
 	checkStream(t, "proxy", log, true)

@@ -20,8 +20,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // Every goroutine a benchmark starts, the in-process proxy's included,
@@ -149,7 +149,7 @@ func startProxy(tb testing.TB, endpoint string, configure func(*server.Config)) 
 	if configure != nil {
 		configure(&cfg)
 	}
-	return proxytest.StartProxy(tb, cfg)
+	return servertest.StartProxy(tb, cfg)
 }
 
 // waitApplied waits until the proxy's cache has applied rev.
@@ -181,7 +181,7 @@ func newWriter(cli *clientv3.Client, valueSize, workers int) *writer {
 // written.
 func (w *writer) put(tb testing.TB, n int, keyOf func(i int) []byte) int64 {
 	tb.Helper()
-	head, err := proxytest.PutConcurrently(w.kv, n, w.workers, func(i int) *pb.PutRequest {
+	head, err := servertest.PutConcurrently(w.kv, n, w.workers, func(i int) *pb.PutRequest {
 		return &pb.PutRequest{Key: keyOf(i), Value: w.value}
 	})
 	if err != nil {

@@ -12,7 +12,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 var (
@@ -93,7 +93,7 @@ func (d *rangeData) fullRange() *pb.RangeRequest {
 // paginatedList reads the keyspace at R as kube-apiserver paginates, in
 // pages of limit, and returns the number of keys read.
 func (d *rangeData) paginatedList(ctx context.Context, kv pb.KVClient, limit int64) (int, error) {
-	return proxytest.ListPages(ctx, kv, d.key, d.end, limit, d.rev)
+	return servertest.ListPages(ctx, kv, d.key, d.end, limit, d.rev)
 }
 
 // BenchmarkLinearizableGet: a linearizable single-key Get (kube-apiserver's

@@ -18,15 +18,15 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // TestCheckCommand: `check` passes against a healthy proxy, and exits 1
 // naming the key once the proxy's cache is corrupted.
 func TestCheckCommand(t *testing.T) {
-	etcd := server.EmbeddedEndpoint(proxytest.StartEtcd(t, server.EmbeddedConfig{}))
-	p := proxytest.StartProxy(t, server.Config{
+	etcd := server.EmbeddedEndpoint(servertest.StartEtcd(t, server.EmbeddedConfig{}))
+	p := servertest.StartProxy(t, server.Config{
 		Endpoints:                []string{etcd},
 		ListenAddr:               "127.0.0.1:0",
 		ConsistencyCheckInterval: -1, // the proxy must not repair itself here

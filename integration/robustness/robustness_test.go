@@ -32,8 +32,8 @@ import (
 	"go.etcd.io/etcd/tests/v3/robustness/validate"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/proxytest"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
+	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
 // The shape of a run: traffic for faultAt, then a fault (see fault); once
@@ -216,7 +216,7 @@ func newEnv(t *testing.T, lg *zap.Logger, opts options) *env {
 	if opts.auth {
 		cfg.User, cfg.Password = rootUser, rootPassword
 	}
-	en.proxy = proxytest.StartProxy(t, cfg)
+	en.proxy = servertest.StartProxy(t, cfg)
 	en.trafficEndpoints = []string{en.proxy.Addr()}
 	en.watchEndpoints = en.trafficEndpoints
 	en.compactEndpoints = en.trafficEndpoints

@@ -9,7 +9,7 @@
 // pauses.
 //
 // Helpers that need etcd or the proxy's packages are in the sub-package
-// proxytest.
+// servertest.
 //
 // It is for tests only: no production code imports it.
 package testsupport

@@ -1,4 +1,4 @@
-package proxytest
+package servertest
 
 import (
 	"bytes"

@@ -1,9 +1,10 @@
-// Package proxytest holds the test helpers that need etcd or the proxy's
+// Package servertest holds the test helpers that need etcd or the proxy's
 // own packages: starting an embedded etcd and the proxy in front of it, and
-// comparing what etcd and the proxy answer. The main module's tests and the
+// comparing what etcd and the proxy answer, beside the server it starts (as
+// net/http/httptest beside net/http). The main module's tests and the
 // robustness module use it; the helpers that need the standard library
-// alone are in its parent, testsupport.
-package proxytest
+// alone are in internal/testsupport.
+package servertest
 
 import (
 	"fmt"
