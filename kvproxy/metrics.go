@@ -82,20 +82,29 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	reg.MustRegister(m.ranges, m.wentBack, m.cachedReadBytes)
 	m.rangeSeries = make(map[rangeLabels]*lazyCounter)
 	for _, src := range []source{sourceCache, sourceForwarded, sourceRejected} {
-		for _, why := range knownReasons {
+		for _, why := range reasons {
 			m.rangeSeries[rangeLabels{src, why}] = &lazyCounter{}
 		}
 	}
 	return m
 }
 
-// knownReasons are the reasons a Range is counted with; one missing here
-// is counted all the same, through WithLabelValues.
-var knownReasons = []reason{
+// reasons are every reason a Range is counted with: each has a row in
+// TestRoute (TestRouteCoversEveryReason), and its series is resolved once.
+var reasons = []reason{
 	reasonLinearizable, reasonHistorical, reasonSerializable, reasonWaited,
-	reasonAuth, reasonInconsistent, reasonNotRetained, reasonAhead, reasonNotReady, reasonVersionUnknown, reasonRangeStream,
+	reasonAuth, reasonInconsistent, reasonNotRetained, reasonAhead, reasonNotReady, reasonVersionUnknown, reasonRangeStream, reasonForwarding,
 	reasonLoading, reasonFreshTimeout, reasonFreshError,
 	reasonCompacted, reasonFuture, reasonOverload, reasonMemory,
+}
+
+// Reasons returns the values of the ranges metric's reason label.
+func Reasons() []string {
+	out := make([]string, len(reasons))
+	for i, r := range reasons {
+		out[i] = string(r)
+	}
+	return out
 }
 
 type rangeLabels struct {

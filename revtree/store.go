@@ -415,6 +415,16 @@ func (s *Store) Compact(rev int64) {
 	}
 }
 
+// ForgetCompaction clears the compaction revision before a Reset from
+// another history (etcd restored from a snapshot, or another cluster),
+// whose compaction revision may be lower: Reset otherwise keeps the
+// highest it has seen.
+func (s *Store) ForgetCompaction() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.compactRev = 0
+}
+
 // compactLocked is Compact's change of the published state; it reports
 // whether it dropped snapshots. writeMu is held.
 func (s *Store) compactLocked(rev int64) bool {
@@ -565,73 +575,4 @@ func (s *Store) View(rev int64) (View, error) {
 		return View{}, ErrNotRetained
 	}
 	return View{Rev: rev, StoreRev: s.rev, snap: floor, gen: s.gen, index: s.published, flat: &s.flat}, nil
-}
-
-// HistoryStart returns the first revision whose events the store holds:
-// every event from it up to Rev is retained. 0 if the store is not loaded.
-func (s *Store) HistoryStart() int64 {
-	s.mu.RLock()
-	defer s.mu.RUnlock()
-	return s.historyStartLocked()
-}
-
-// historyStartLocked: the oldest snapshot holds the events of its revision,
-// unless it is a load, whose events were never seen.
-func (s *Store) historyStartLocked() int64 {
-	oldest, ok := s.snapshots.Min()
-	if !ok {
-		return 0
-	}
-	if oldest.events == nil {
-		return oldest.rev + 1
-	}
-	return oldest.rev
-}
-
-// Batch is the events of one revision.
-type Batch struct {
-	Rev    int64
-	Events []*mvccpb.Event // with PrevKv; shared, never to be modified
-}
-
-// EventsFrom returns the events of revisions from..upTo (inclusive), at most
-// max revisions of them if max > 0, in revision order, and the revision the
-// result is complete up to (upTo, or the last revision returned when max
-// cut it short). It fails with ErrCompacted if from is below the compaction
-// revision, and with ErrNotRetained if events from `from` on are no longer
-// all held (a reload or trimming dropped them); the check and the read are
-// atomic.
-func (s *Store) EventsFrom(from, upTo int64, max int) ([]Batch, int64, error) {
-	s.mu.RLock()
-	defer s.mu.RUnlock()
-	if s.loaded && from < s.compactRev {
-		return nil, 0, ErrCompacted
-	}
-	return s.eventsLocked(from, upTo, max)
-}
-
-// eventsLocked is EventsFrom and EventsHeld without the compaction check;
-// s.mu is held.
-func (s *Store) eventsLocked(from, upTo int64, max int) ([]Batch, int64, error) {
-	switch {
-	case !s.loaded:
-		return nil, 0, ErrNotLoaded
-	case from < s.historyStartLocked():
-		return nil, 0, ErrNotRetained
-	}
-	upTo = min(upTo, s.rev)
-	var out []Batch
-	complete := upTo
-	s.snapshots.AscendRange(&snapshot{rev: from}, &snapshot{rev: upTo + 1}, func(sn *snapshot) bool {
-		if sn.events == nil {
-			return true
-		}
-		if max > 0 && len(out) == max {
-			complete = out[len(out)-1].Rev
-			return false
-		}
-		out = append(out, Batch{Rev: sn.rev, Events: sn.events})
-		return true
-	})
-	return out, complete, nil
 }
