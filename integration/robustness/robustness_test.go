@@ -814,7 +814,7 @@ func gatherCounters(t *testing.T, en *env) counters {
 // proxy must have answered reads from memory, mirrored compactions, and
 // felt the fault; the history must hold historical reads, watch events and
 // persisted compactions. The proxy may relay the watch streams of token
-// callers to etcd whole (README, Auth): relayed streams then stand for the
+// callers to etcd whole (docs/auth.md): relayed streams then stand for the
 // watch events the proxy sends.
 func checkCoverage(t *testing.T, rec *recording, m counters, persisted []model.EtcdRequest) {
 	t.Helper()
