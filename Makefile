@@ -20,7 +20,7 @@ BENCH_E2E_FLAGS ?=
 # them.
 TEST_TAGS    ?= snapcachetest
 
-.PHONY: all build run test vet bench bench-e2e clean tools tools-etcd tools-kube integration integration-clients integration-e2e integration-budget
+.PHONY: all build run test vet bench bench-e2e bench-chart clean tools tools-etcd tools-kube integration integration-clients integration-e2e integration-budget
 
 all: build
 
@@ -88,6 +88,12 @@ bench:
 # retained revision and its heap under a history budget (a few minutes).
 bench-e2e: build tools-etcd
 	$(GO) test -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -count=1 -timeout 60m ./bench/e2e/ -args $(BENCH_E2E_FLAGS)
+
+# The chart of docs/performance.md from a bench-e2e run's output, e.g.
+# `make bench-e2e | tee bench.out && make bench-chart BENCH_OUT=bench.out`.
+BENCH_OUT ?= bench.out
+bench-chart:
+	$(GO) run ./bench/chart < $(BENCH_OUT) > docs/performance.svg
 
 clean:
 	rm -rf bin .snapcache
