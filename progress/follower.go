@@ -83,7 +83,8 @@ type Follower struct {
 	ready     chan struct{} // closed once the first load has caught up
 	readyOnce sync.Once
 	following followState // the upstream watch is established, and since when not
-	loading   atomic.Bool // a load or reload is under way
+	loading   atomic.Bool // a load or reload is under way (Phase)
+	stopped   atomic.Bool // Run has returned (Phase)
 	timeline  timeline
 	// verified is the generation of the upstream watch stream while it is
 	// established and verified to continue the store's history; 0 while
@@ -161,6 +162,7 @@ func (f *Follower) Run(ctx context.Context) error {
 		defer wg.Done()
 		f.version.run(ctx)
 	}()
+	defer f.stopped.Store(true)
 	f.feed(ctx)
 	return ctx.Err()
 }
@@ -181,11 +183,14 @@ func (f *Follower) IsReady() bool {
 
 // Loading reports whether the store is being loaded or reloaded from etcd,
 // and so cannot answer for etcd's current state.
-func (f *Follower) Loading() bool { return f.loading.Load() }
+func (f *Follower) Loading() bool {
+	p := f.Phase()
+	return p == PhaseLoading || p == PhaseReloading
+}
 
-// Serving reports whether the store answers for etcd: the first load has
-// caught up and no reload is under way.
-func (f *Follower) Serving() bool { return f.IsReady() && !f.Loading() }
+// Serving reports whether the store answers for etcd (PhaseServing): the
+// first load has caught up and no reload is under way.
+func (f *Follower) Serving() bool { return f.Phase() == PhaseServing }
 
 // LoadError is why the last attempt to load the keyspace failed, nil if
 // it did not.

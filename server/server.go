@@ -528,15 +528,18 @@ func (s *Server) newHTTPEndpoints() (httpEndpoints, error) {
 func (s *Server) readyChecks() []probeCheck {
 	return []probeCheck{
 		{name: "cache", note: s.forwardingNote, check: func() error {
-			switch {
-			case s.forwarding():
+			if s.forwarding() {
 				// Every request goes to etcd, which answers it: the
 				// proxy is a correct proxy, without its cache.
 				return nil
-			case s.follower.Serving():
+			}
+			switch s.follower.Phase() {
+			case progress.PhaseServing:
 				return nil
-			case s.follower.IsReady():
+			case progress.PhaseReloading:
 				return errors.New("the cache is reloading from etcd")
+			case progress.PhaseStopped:
+				return errors.New("the cache is stopped")
 			}
 			if err := s.follower.LoadError(); err != nil {
 				return fmt.Errorf("the cache is loading: %w", err)
@@ -587,7 +590,7 @@ func (s *Server) mode() string {
 		return modeForwarding
 	case s.checker.Fallback():
 		return modeFallback
-	case s.follower.Serving():
+	case s.follower.Phase() == progress.PhaseServing:
 		return modeCache
 	}
 	return modeLoading
