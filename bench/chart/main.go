@@ -78,7 +78,7 @@ func draw(w io.Writer, title string, results []result) {
 	maxX = float64(int(maxX) + 1)
 	x := func(v float64) float64 { return labelW + v/maxX*plotW }
 	height := top + rowHeight*len(results) + bottom
-	width := labelW + plotW + 70
+	width := labelW + plotW + 130
 	fmt.Fprintf(w, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" font-family="sans-serif" font-size="13">`+"\n", width, height, width, height)
 	fmt.Fprintf(w, `<rect width="100%%" height="100%%" fill="white"/>`+"\n")
 	fmt.Fprintf(w, `<text x="%d" y="24" font-size="15" font-weight="bold">%s</text>`+"\n", 10, html.EscapeString(title))
@@ -97,7 +97,12 @@ func draw(w io.Writer, title string, results []result) {
 		for _, v := range r.rounds {
 			fmt.Fprintf(w, `<circle cx="%.1f" cy="%d" r="3" fill="black" fill-opacity="0.6"/>`+"\n", x(v), y+rowHeight/2)
 		}
-		fmt.Fprintf(w, `<text x="%.1f" y="%d">%.2fx %s/s</text>`+"\n", x(r.ratio)+6, y+rowHeight/2+4, r.ratio, html.EscapeString(r.unit))
+		// The label goes past the bar and every dot.
+		right := r.ratio
+		for _, v := range r.rounds {
+			right = max(right, v)
+		}
+		fmt.Fprintf(w, `<text x="%.1f" y="%d">%.2fx %s/s</text>`+"\n", x(right)+8, y+rowHeight/2+4, r.ratio, html.EscapeString(r.unit))
 	}
 	fmt.Fprintf(w, `<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="black" stroke-dasharray="4 3"/>`+"\n", x(1), top-6, x(1), height-bottom+4)
 	fmt.Fprintf(w, `<text x="%.1f" y="%d" font-size="11" fill="#555">etcd</text>`+"\n", x(1)+3, top-8)
