@@ -301,11 +301,11 @@ type Server struct {
 	cancel   context.CancelFunc
 	wg       sync.WaitGroup // every goroutine the server starts
 	errc     chan error
+	// stopping is set when Stop begins, or a failed Start closes what it
+	// opened: the proxy reports itself not ready while open requests
+	// finish, and its listeners' closing errors are expected.
 	stopping atomic.Bool
 	once     sync.Once
-	// draining is set when Stop begins: the proxy reports itself not
-	// ready while open requests finish.
-	draining atomic.Bool
 	// stopped is done once Stop begins: it ends the streams that never
 	// end by themselves (endOnStop).
 	stopped    context.Context
@@ -562,7 +562,7 @@ func (s *Server) readyChecks() []probeCheck {
 			return upstreamLost(s.follower.NotFollowingSince(), time.Now(), s.cfg.UpstreamLostThreshold)
 		}},
 		{name: "shutdown", check: func() error {
-			if s.draining.Load() {
+			if s.stopping.Load() {
 				return errors.New("process is shutting down")
 			}
 			return nil
@@ -711,7 +711,6 @@ func (s *Server) Err() <-chan error { return s.errc }
 // goroutine the server started.
 func (s *Server) Stop() {
 	s.once.Do(func() {
-		s.draining.Store(true)
 		s.stopping.Store(true)
 		s.health.Shutdown()
 		s.lg.Info("stopping: not ready; ending watch and keepalive streams; open requests get up to " + gracefulStopTimeout.String())
