@@ -298,9 +298,9 @@ type Server struct {
 	// as long as the upstream client end, after it is closed.
 	clientDone []<-chan struct{}
 
-	cancel   context.CancelFunc
-	wg       sync.WaitGroup // every goroutine the server starts
-	errc     chan error
+	cancel context.CancelFunc
+	wg     sync.WaitGroup // every goroutine the server starts
+	errc   chan error
 	// stopping is set when Stop begins, or a failed Start closes what it
 	// opened: the proxy reports itself not ready while open requests
 	// finish, and its listeners' closing errors are expected.
