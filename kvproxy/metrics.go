@@ -98,15 +98,6 @@ var reasons = []reason{
 	reasonCompacted, reasonFuture, reasonOverload, reasonMemory,
 }
 
-// Reasons returns the values of the ranges metric's reason label.
-func Reasons() []string {
-	out := make([]string, len(reasons))
-	for i, r := range reasons {
-		out[i] = string(r)
-	}
-	return out
-}
-
 type rangeLabels struct {
 	src source
 	why reason

@@ -60,7 +60,7 @@ func (f *Follower) loadFailed(err error) {
 	}
 	prev := f.loadErr.Swap(&err)
 	switch {
-	case prev != nil && sameFailure(*prev, err):
+	case prev != nil && failureKind(*prev) == failureKind(err):
 		f.lg.Debug("loading the keyspace from etcd failed again", zap.Error(err))
 	case errors.Is(err, errUnsupportedRelease):
 		f.lg.Error("cannot follow etcd; not ready", zap.Error(err))
@@ -71,11 +71,17 @@ func (f *Follower) loadFailed(err error) {
 	}
 }
 
-// sameFailure reports whether two load failures are the same for the log.
-func sameFailure(a, b error) bool {
-	return errors.Is(a, ErrIdentityRefused) == errors.Is(b, ErrIdentityRefused) &&
-		errors.Is(a, errUnsupportedRelease) == errors.Is(b, errUnsupportedRelease) &&
-		(errors.Is(a, ErrIdentityRefused) || errors.Is(a, errUnsupportedRelease) || a.Error() == b.Error())
+// failureKind is what the log tells load failures apart by: a refusal of
+// the proxy's identity and an unsupported release each last until an
+// operator acts, whatever etcd's message; other failures by their text.
+func failureKind(err error) string {
+	switch {
+	case errors.Is(err, ErrIdentityRefused):
+		return "identity refused"
+	case errors.Is(err, errUnsupportedRelease):
+		return "unsupported release"
+	}
+	return err.Error()
 }
 
 // loadError is a load that failed: the feed waits and loads again.

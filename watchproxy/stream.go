@@ -86,6 +86,10 @@ type stream struct {
 	headerField    mem.Buffer
 	// unsent counts the events sent this pass, not yet in the metrics.
 	unsent int
+	// passCompactRev is the compaction revision as the pass began: the
+	// pass's sends decide prev_kv against it, as etcd's send loop reads
+	// each prev_kv as it sends.
+	passCompactRev int64
 
 	freshc   chan freshResult  // a freshness check's result, to the send loop
 	catchupc chan catchupBatch // catch-up events and results, to the send loop
@@ -387,6 +391,7 @@ func (st *stream) deliver() (more bool, err error) {
 	defer st.countSent()
 	rev := st.s.store.Rev()
 	compactRev := st.s.store.CompactRev()
+	st.passCompactRev = compactRev
 	from := int64(math.MaxInt64)
 	for _, w := range st.watchers {
 		if !w.active() {
@@ -476,11 +481,9 @@ func (st *stream) lookup(batches []revtree.Batch) []*revEvents {
 // and moves it past complete. encs are the batches' encodings.
 func (st *stream) sendEvents(w *watcher, batches []revtree.Batch, encs []*revEvents, complete int64) error {
 	entries, n := st.entries[:0], 0
-	// Read now, as etcd reads each prev_kv when it sends the event.
-	compactRev := st.s.store.CompactRev()
 	for i, b := range batches {
 		if b.Rev >= w.nextRev && b.Rev <= complete {
-			prevKV := w.prevKV && prevKVReadable(b.Rev, compactRev)
+			prevKV := w.prevKV && prevKVReadable(b.Rev, st.passCompactRev)
 			var k int
 			entries, k = w.matchingEncoded(entries, b.Events, func() *encodedEvents { return st.s.enc.encoded(encs[i], prevKV) })
 			n += k
