@@ -17,6 +17,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
@@ -136,23 +137,26 @@ type Config struct {
 	// Inconsistent, if set, reports that every read must go to etcd: the
 	// consistency checker found the store inconsistent.
 	Inconsistent func() bool
-	// Forwarding, if set, reports that the cache is off (the proxy has no
-	// identity of its own, and etcd has auth enabled): every read that
-	// Authorize lets through goes to etcd, none is refused for a load that
-	// cannot happen.
-	Forwarding func() bool
-	// Authorize, if set, is etcd's permission check of a read of
-	// [key, rangeEnd) by the caller of ctx, linearizable or not: nil lets
-	// the store answer; ErrAskEtcd sends the read to etcd, which judges
-	// the caller itself; another error is etcd's refusal, answered as it
-	// is. If unset, callers with a token go to etcd and the rest are
-	// allowed.
-	Authorize func(ctx context.Context, key, rangeEnd []byte, linearizable bool) error
+	// Gate is the auth gate (gate.Gate): etcd's permission check of each
+	// read, and whether the cache is off. nil: gate.Unchecked, a proxy in
+	// front of an etcd without auth.
+	Gate Gate
 }
 
-// ErrAskEtcd, from Config.Authorize, says that only etcd can judge the
-// caller: the read goes to etcd, with the caller's credentials.
-var ErrAskEtcd = errors.New("kvproxy: only etcd can judge this caller")
+// Gate is what the KV service asks of the auth gate.
+type Gate interface {
+	// Forwarding reports that the cache is off (the proxy has no
+	// identity of its own, and etcd has auth enabled): every read the
+	// gate lets through goes to etcd, none is refused for a load that
+	// cannot happen.
+	Forwarding() bool
+	// AuthorizeRead is etcd's permission check of a read of
+	// [key, rangeEnd) by the caller of ctx, linearizable or not: nil lets
+	// the store answer; gate.ErrAskEtcd sends the read to etcd, which
+	// judges the caller itself; another error is etcd's refusal, answered
+	// as it is.
+	AuthorizeRead(ctx context.Context, key, rangeEnd []byte, linearizable bool) error
+}
 
 // Server implements etcdserverpb.KVServer.
 type Server struct {
@@ -167,8 +171,7 @@ type Server struct {
 	fresh        time.Duration
 	fallback     ConsistentReadFallback
 	inconsistent func() bool
-	forwarding   func() bool
-	authorize    func(ctx context.Context, key, rangeEnd []byte, linearizable bool) error
+	gate         Gate
 	forwards     chan struct{} // semaphore of reads in flight to etcd
 	budget       *byteBudget   // bytes of cached responses in flight; nil: no bound
 	queueWait    time.Duration // bound of a wait for admission without a deadline; maxQueueWait if 0
@@ -197,16 +200,8 @@ func New(cfg Config) *Server {
 	if cfg.Inconsistent == nil {
 		cfg.Inconsistent = func() bool { return false }
 	}
-	if cfg.Forwarding == nil {
-		cfg.Forwarding = func() bool { return false }
-	}
-	if cfg.Authorize == nil {
-		cfg.Authorize = func(ctx context.Context, _, _ []byte, _ bool) error {
-			if hasAuthToken(ctx) {
-				return ErrAskEtcd
-			}
-			return nil
-		}
+	if cfg.Gate == nil {
+		cfg.Gate = gate.Unchecked{}
 	}
 	return &Server{
 		store:        cfg.Store,
@@ -218,8 +213,7 @@ func New(cfg Config) *Server {
 		fresh:        cfg.FreshnessTimeout,
 		fallback:     cfg.ConsistentReadFallback,
 		inconsistent: cfg.Inconsistent,
-		forwarding:   cfg.Forwarding,
-		authorize:    cfg.Authorize,
+		gate:         cfg.Gate,
 		forwards:     make(chan struct{}, cfg.MaxForwardedReads),
 		budget:       newByteBudget(cfg.MaxCachedReadBytes, cfg.Metrics.setCachedReadBytes),
 	}

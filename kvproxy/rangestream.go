@@ -14,6 +14,7 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 
+	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
@@ -38,7 +39,7 @@ func (s *Server) RangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServ
 	}
 	// A refusal comes first: a relay below must not run for a caller etcd
 	// would refuse (it would run with the proxy's connection).
-	if err := s.authorize(ctx, r.Key, r.RangeEnd, !r.Serializable); err != nil && !errors.Is(err, ErrAskEtcd) {
+	if err := s.gate.AuthorizeRead(ctx, r.Key, r.RangeEnd, !r.Serializable); err != nil && !errors.Is(err, gate.ErrAskEtcd) {
 		s.m.observe(sourceRejected, reasonAuth)
 		return err
 	}

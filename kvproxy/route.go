@@ -5,11 +5,10 @@ import (
 	"errors"
 	"time"
 
-	"google.golang.org/grpc/metadata"
-
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
@@ -47,15 +46,15 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRul
 	// waits on etcd, so they run together, and the read waits for the
 	// slower one rather than for both in turn.
 	var fence fenceCall
-	forwarding := s.forwarding()
+	forwarding := s.gate.Forwarding()
 	if !r.Serializable && !forwarding && s.follower.Serving() && !s.inconsistent() && (!r.KeysOnly || rules.known) {
 		fence = s.beginFence(r.Revision)
 	}
 	// etcd's handler validates (done), then checks permissions.
-	switch err := s.authorize(ctx, r.Key, r.RangeEnd, !r.Serializable); {
-	case errors.Is(err, ErrAskEtcd) && forwarding:
+	switch err := s.gate.AuthorizeRead(ctx, r.Key, r.RangeEnd, !r.Serializable); {
+	case errors.Is(err, gate.ErrAskEtcd) && forwarding:
 		return forwarded(reasonForwarding)
-	case errors.Is(err, ErrAskEtcd):
+	case errors.Is(err, gate.ErrAskEtcd):
 		return forwarded(reasonAuth)
 	case err != nil:
 		return refused(reasonAuth, err)
@@ -183,9 +182,4 @@ func togRPCError(err error) error {
 // or a count.
 func isSmall(r *pb.RangeRequest) bool {
 	return len(r.RangeEnd) == 0 || r.CountOnly || (r.Limit > 0 && r.Limit <= smallReadLimit)
-}
-
-// hasAuthToken reports whether the caller authenticated with a token.
-func hasAuthToken(ctx context.Context) bool {
-	return len(metadata.ValueFromIncomingContext(ctx, rpctypes.TokenFieldNameGRPC)) > 0
 }

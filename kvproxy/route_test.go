@@ -19,6 +19,7 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
@@ -217,6 +218,12 @@ func newRouteEnv(t *testing.T) *routeEnv {
 	return e
 }
 
+// forwardingGate is the gate of a proxy whose cache is off: no identity
+// of its own in front of an etcd with auth enabled.
+type forwardingGate struct{ gate.Unchecked }
+
+func (forwardingGate) Forwarding() bool { return true }
+
 // applyPut applies a put of key at rev, the key's version-th.
 func applyPut(t *testing.T, store *revtree.Store, rev int64, key string, version int64) {
 	t.Helper()
@@ -325,11 +332,11 @@ func routeCases() []routeCase {
 		{name: "large read while etcd refuses the proxy the keyspace", req: wide,
 			setup: func(_ *testing.T, e *routeEnv) {
 				e.follower.serving = false
-				e.cfg.Forwarding = func() bool { return true }
+				e.cfg.Gate = forwardingGate{}
 			},
 			action: forward, reason: reasonForwarding},
 		{name: "token caller while etcd refuses the proxy the keyspace", req: key("a"), auth: true,
-			setup:  func(_ *testing.T, e *routeEnv) { e.cfg.Forwarding = func() bool { return true } },
+			setup:  func(_ *testing.T, e *routeEnv) { e.cfg.Gate = forwardingGate{} },
 			action: forward, reason: reasonForwarding},
 
 		// Forwarded or refused.

@@ -3,19 +3,22 @@ package server
 import (
 	"context"
 	"hash/fnv"
+	"slices"
 	"strings"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
 
+	"github.com/etcd-snapcache/etcd-snapcache/gate"
+
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 )
 
-// forwardedMetadata are the request metadata etcd acts on: the caller's auth
-// token (in either of the keys etcd reads it from) and its demand for a
-// leader. They travel with every forwarded call.
-var forwardedMetadata = []string{rpctypes.TokenFieldNameGRPC, rpctypes.TokenFieldNameSwagger, rpctypes.MetadataRequireLeaderKey}
+// forwardedMetadata are the request metadata etcd acts on: the caller's
+// credentials (gate.TokenKeys) and its demand for a leader. They travel
+// with every forwarded call.
+var forwardedMetadata = append(slices.Clone(gate.TokenKeys), rpctypes.MetadataRequireLeaderKey)
 
 // withCallerMetadata copies the caller's forwarded metadata from an incoming
 // server context to the outgoing context of an upstream call.
@@ -52,14 +55,14 @@ func forwardStreamMetadata(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.
 // (--user) instead of the forwarding one. Without --user the forwarding
 // connection is that identity: its client certificate's.
 func (s *Server) lendUnary(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-	if isAsProxy(ctx) && s.own != s.client {
+	if gate.IsAsProxy(ctx) && s.own != s.client {
 		return s.own.ActiveConnection().Invoke(ctx, method, req, reply, opts...)
 	}
 	return invoker(ctx, method, req, reply, cc, opts...)
 }
 
 func (s *Server) lendStream(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-	if isAsProxy(ctx) && s.own != s.client {
+	if gate.IsAsProxy(ctx) && s.own != s.client {
 		return s.own.ActiveConnection().NewStream(ctx, desc, method, opts...)
 	}
 	return streamer(ctx, desc, cc, method, opts...)

@@ -23,6 +23,7 @@ import (
 	"go.etcd.io/etcd/server/v3/etcdserver/api/v3lock/v3lockpb"
 	"go.etcd.io/etcd/server/v3/proxy/grpcproxy"
 
+	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
@@ -40,8 +41,8 @@ const streamWorkers = 128
 func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	serverMetrics := newGRPCMetrics(s.cfg.Metrics == MetricsExtensive)
 	s.registry.MustRegister(serverMetrics)
-	unary := []grpc.UnaryServerInterceptor{serverMetrics.unary(s.gateUnary)}
-	stream := []grpc.StreamServerInterceptor{serverMetrics.stream, s.endOnStop, s.gateStream}
+	unary := []grpc.UnaryServerInterceptor{serverMetrics.unary(s.gate.UnaryServerInterceptor)}
+	stream := []grpc.StreamServerInterceptor{serverMetrics.stream, s.endOnStop, s.gate.StreamServerInterceptor}
 	if s.cfg.EnableGRPCLogging {
 		unary = append(unary, interceptors.UnaryServerInterceptor(payloadLogger(s.lg.Named("grpc"))))
 		stream = append(stream, interceptors.StreamServerInterceptor(payloadLogger(s.lg.Named("grpc"))))
@@ -97,8 +98,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		MaxForwardedReads:      s.cfg.MaxForwardedReads,
 		MaxCachedReadBytes:     s.cfg.MaxCachedReadBytes,
 		Inconsistent:           s.checker.Fallback,
-		Forwarding:             s.forwarding,
-		Authorize:              s.authorizeRead,
+		Gate:                   s.gate,
 	}))
 	s.watch = watchproxy.New(watchproxy.Config{
 		Store:                  s.store,
@@ -108,23 +108,17 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		FragmentBytes:          s.cfg.MaxRequestBytes + grpcOverheadBytes,
 		Inconsistent:           s.checker.Fallback,
 		Inconsistencies:        s.checker.Failures,
-		Authorize:              s.authorizeWatch,
-		Relay:                  s.relayWatch,
+		Gate:                   s.gate,
 		Logger:                 s.lg.Named("watch"),
 		Metrics:                watchproxy.NewMetrics(s.registry),
 	})
 	pb.RegisterWatchServer(gs, s.watch)
 	s.keepAlives = newKeepAlives(ctx, pb.NewLeaseClient(conn), s.lg.Named("lease"))
-	s.asProxyKeepAlives = newKeepAlives(asProxy(ctx), pb.NewLeaseClient(conn), s.lg.Named("lease"))
-	pb.RegisterLeaseServer(gs, &leaseServer{upstream: pb.NewLeaseClient(conn), ka: s.keepAlives, asProxyKA: s.asProxyKeepAlives, callerOf: s.callerOf})
+	s.asProxyKeepAlives = newKeepAlives(gate.AsProxy(ctx), pb.NewLeaseClient(conn), s.lg.Named("lease"))
+	pb.RegisterLeaseServer(gs, &leaseServer{upstream: pb.NewLeaseClient(conn), ka: s.keepAlives, asProxyKA: s.asProxyKeepAlives, callerOf: s.gate.CallerOf})
 	pb.RegisterClusterServer(gs, s.newClusterServer())
 	pb.RegisterMaintenanceServer(gs, grpcproxy.NewMaintenanceProxy(s.client))
-	pb.RegisterAuthServer(gs, &authServer{
-		AuthServer: grpcproxy.NewAuthProxy(s.client),
-		revision:   s.mirroredAuthRevision,
-		learn:      s.tokens.issued,
-		observed:   s.authMirror.Observed,
-	})
+	pb.RegisterAuthServer(gs, s.gate.AuthServer(grpcproxy.NewAuthProxy(s.client)))
 	v3lockpb.RegisterLockServer(gs, grpcproxy.NewLockProxy(s.client))
 	v3electionpb.RegisterElectionServer(gs, grpcproxy.NewElectionProxy(s.client))
 	s.health = health.NewServer()

@@ -15,6 +15,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/streamrelay"
 )
@@ -38,7 +39,7 @@ type leaseServer struct {
 	upstream  pb.LeaseClient
 	ka        *keepAlives
 	asProxyKA *keepAlives
-	callerOf  func(ctx context.Context) caller
+	callerOf  func(ctx context.Context) gate.Caller
 }
 
 var _ pb.LeaseServer = (*leaseServer)(nil)
@@ -65,14 +66,14 @@ func (l *leaseServer) LeaseLeases(ctx context.Context, r *pb.LeaseLeasesRequest)
 func (l *leaseServer) LeaseKeepAlive(stream pb.Lease_LeaseKeepAliveServer) error {
 	ctx := stream.Context()
 	ka := l.ka
-	switch l.callerOf(ctx).kind {
-	case tokenCaller:
+	switch l.callerOf(ctx).Kind {
+	case gate.TokenCaller:
 		up, err := l.upstream.LeaseKeepAlive(ctx)
 		if err != nil {
 			return err
 		}
 		return streamrelay.Relay[pb.LeaseKeepAliveRequest, pb.LeaseKeepAliveResponse](up, stream)
-	case certCaller:
+	case gate.CertCaller:
 		ka = l.asProxyKA
 	}
 	w := newKeepAliveWaiter(ctx.Done())

@@ -26,9 +26,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/proxy/grpcproxy"
 
-	"github.com/etcd-snapcache/etcd-snapcache/authcache"
+	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/coalesce"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
@@ -267,22 +266,11 @@ type Server struct {
 	client *clientv3.Client   // of the upstream etcd, for callers' requests: no identity of its own
 	own    *clientv3.Client   // of the upstream etcd, as the proxy itself (User); client if none
 	self   *clientv3.Client   // of the proxy's own API, for /proxy/health
-	// upstreamCN is the common name of the proxy's upstream client
-	// certificate: etcd with --client-cert-auth takes it for a user.
-	upstreamCN string
-	authMirror *authcache.Mirror
-	tokens     *tokens // the callers' tokens the proxy can attribute
-	// probeKV reads etcd through the forwarding connection: with a
-	// caller's context it shows etcd the caller's token.
-	probeKV pb.KVClient
-	// disabledProof shares the anonymous quorum reads that prove auth
-	// disabled (freshAuth).
-	disabledProof *coalesce.Call[bool]
-	noMirrorLog   sync.Once // the error of refusing certificate callers
-	releaseRules  atomic.Pointer[releaseRules]
-	store         *revtree.Store
-	follower      *progress.Follower
-	registry      *prometheus.Registry
+	// gate decides, per request, what etcd would of its caller.
+	gate     *gate.Gate
+	store    *revtree.Store
+	follower *progress.Follower
+	registry *prometheus.Registry
 
 	grpcServer        *grpc.Server
 	clientLis         net.Listener // gRPC and HTTP
@@ -332,13 +320,21 @@ func Start(cfg Config) (*Server, error) {
 	if cfg.ClientCertAuth && (s.tls == nil || s.tls.TrustedCAFile == "") {
 		return nil, errors.New("--client-cert-auth: client certificates are verified only with serving TLS and --trusted-ca-file")
 	}
-	if s.upstreamCN, err = certCommonName(cfg.UpstreamTLS.CertFile); err != nil {
-		return nil, fmt.Errorf("--cert: %w", err)
+	if s.gate, err = gate.New(gate.Config{
+		User:               cfg.User,
+		UpstreamCertFile:   cfg.UpstreamTLS.CertFile,
+		ClientCertAuth:     cfg.ClientCertAuth,
+		AuthToken:          cfg.AuthToken,
+		TokenCheckInterval: cfg.AuthTokenCheckInterval,
+		FreshnessTimeout:   cfg.FreshnessTimeout,
+		ValidateWrite:      kvproxy.ValidateWrite,
+		Logger:             s.lg.Named("auth"),
+	}); err != nil {
+		return nil, err
 	}
 	clientMetrics := grpcprom.NewClientMetrics()
 	s.registry.MustRegister(clientMetrics)
-	s.tokens = newTokens()
-	if s.client, err = s.dialUpstream(clientMetrics, "", "", s.watchTokens); err != nil {
+	if s.client, err = s.dialUpstream(clientMetrics, "", "", s.gate.WatchTokens); err != nil {
 		return nil, err
 	}
 	ok := false
@@ -356,19 +352,6 @@ func Start(cfg Config) (*Server, error) {
 			return nil, err
 		}
 	}
-	jwt, err := authcache.NewJWTProvider(s.lg.Named("auth"), cfg.AuthToken)
-	if err != nil {
-		return nil, fmt.Errorf("--auth-token: %w", err)
-	}
-	s.authMirror = authcache.NewMirror(authcache.MirrorConfig{
-		Auth:         pb.NewAuthClient(s.own.ActiveConnection()),
-		EnabledProbe: s.authEnabledProbe(),
-		JWT:          jwt,
-		Logger:       s.lg.Named("auth"),
-	})
-	s.probeKV = pb.NewKVClient(s.client.ActiveConnection())
-	s.disabledProof = coalesce.New(s.authEnabledNow)
-
 	s.store = revtree.New(cfg.BTreeDegree)
 	s.store.SetMaxHistoryBytes(cfg.MaxHistoryBytes)
 	s.follower = progress.New(progress.Config{
@@ -382,6 +365,11 @@ func Start(cfg Config) (*Server, error) {
 		BeforeLoadPage:          cfg.BeforeLoadPage,
 		// The checker is built next; resumes happen only once Run began.
 		VerifyHistory: func(ctx context.Context, rev int64) (bool, error) { return s.checker.SameHistory(ctx, rev) },
+	})
+	s.gate.Connect(gate.Upstream{
+		Forwarding: s.client.ActiveConnection(),
+		Own:        s.own.ActiveConnection(),
+		Follower:   s.follower,
 	})
 	s.checker = hashcheck.New(hashcheck.Config{
 		Store:      s.store,
@@ -416,6 +404,11 @@ func Start(cfg Config) (*Server, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s.cancel = cancel
+	s.gate.Start(ctx)
+	s.run(func() {
+		<-ctx.Done()
+		s.gate.Stop()
+	})
 	if s.grpcServer, err = s.newGRPCServer(ctx); err != nil {
 		return nil, err
 	}
@@ -444,12 +437,6 @@ func Start(cfg Config) (*Server, error) {
 		s.run(func() { s.checker.Run(ctx) })
 	}
 	s.run(func() { s.follower.Run(ctx) })
-	s.run(func() { s.authMirror.Run(ctx) })
-	s.disabledProof.Start(ctx)
-	s.run(func() {
-		<-ctx.Done()
-		s.disabledProof.Stop()
-	})
 	s.run(func() { s.followReadiness(ctx) })
 	ok = true
 	// grpc-proxy's words: tooling (etcd's e2e framework) waits for them.
@@ -528,7 +515,7 @@ func (s *Server) newHTTPEndpoints() (httpEndpoints, error) {
 func (s *Server) readyChecks() []probeCheck {
 	return []probeCheck{
 		{name: "cache", note: s.forwardingNote, check: func() error {
-			if s.forwarding() {
+			if s.gate.Forwarding() {
 				// Every request goes to etcd, which answers it: the
 				// proxy is a correct proxy, without its cache.
 				return nil
@@ -550,13 +537,13 @@ func (s *Server) readyChecks() []probeCheck {
 			// Until then a cached read must ask etcd for its auth
 			// state (an AuthStatus, which etcd commits through raft)
 			// before it is served.
-			if _, known := s.authMirror.Enabled(); !known {
+			if !s.gate.AuthStateKnown() {
 				return errors.New("etcd's auth state is not known yet")
 			}
 			return nil
 		}},
 		{name: "upstream", check: func() error {
-			if s.forwarding() {
+			if s.gate.Forwarding() {
 				return nil // no cache for the watch to feed
 			}
 			return upstreamLost(s.follower.NotFollowingSince(), time.Now(), s.cfg.UpstreamLostThreshold)
@@ -574,7 +561,7 @@ func (s *Server) readyChecks() []probeCheck {
 // identity of its own in front of an etcd with auth enabled, what it does
 // instead and how to turn the cache on; "" otherwise.
 func (s *Server) forwardingNote() string {
-	if !s.forwarding() {
+	if !s.gate.Forwarding() {
 		return ""
 	}
 	return "the cache is off, every request goes to etcd as it came (as etcd's grpc-proxy sends it): etcd has auth enabled and the proxy has no identity of its own; give it a user with the root role (--user) or a client certificate naming one to turn the cache on"
@@ -586,7 +573,7 @@ func (s *Server) forwardingNote() string {
 // "fallback" (the consistency checker found it inconsistent).
 func (s *Server) mode() string {
 	switch {
-	case s.forwarding():
+	case s.gate.Forwarding():
 		return modeForwarding
 	case s.checker.Fallback():
 		return modeFallback
@@ -635,7 +622,7 @@ func (s *Server) followReadiness(ctx context.Context) {
 	serving := false
 	// Each nil once closed: turn SERVING at once when the last one is,
 	// rather than at the next tick.
-	loaded, authKnown := s.follower.Ready(), s.authMirror.Known()
+	loaded, authKnown := s.follower.Ready(), s.gate.AuthKnown()
 	for {
 		err := s.notReady()
 		switch {

@@ -12,6 +12,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -73,6 +74,18 @@ type Store interface {
 	EventsHeld(from, upTo int64, max int) ([]revtree.Batch, int64, error)
 }
 
+// Gate is what the Watch service asks of the auth gate.
+type Gate interface {
+	// AuthorizeWatch is etcd's permission check of a watch of
+	// [key, rangeEnd) by the stream's caller: a non-nil error refuses the
+	// create, as etcd refuses it.
+	AuthorizeWatch(ctx context.Context, key, rangeEnd []byte) error
+	// RelayWatch reports whether a stream must be relayed to etcd whole,
+	// because only etcd can check its caller (a token the proxy cannot
+	// attribute), or the cache is off.
+	RelayWatch(ctx context.Context) bool
+}
+
 // Config configures a Server.
 type Config struct {
 	Store    Store
@@ -96,14 +109,10 @@ type Config struct {
 	// inconsistent: a stream that ran while the count moved ends, even if
 	// the fallback was over before the stream looked at Inconsistent.
 	Inconsistencies func() uint64
-	// Authorize, if set, is etcd's permission check of a watch of
-	// [key, rangeEnd) by the stream's caller: a non-nil error refuses the
-	// create, as etcd refuses it.
-	Authorize func(ctx context.Context, key, rangeEnd []byte) error
-	// Relay, if set, reports whether a stream must be relayed to etcd
-	// whole, because only etcd can check its caller (a token the proxy
-	// cannot attribute). If nil, every stream with a token is.
-	Relay   func(ctx context.Context) bool
+	// Gate is the auth gate (gate.Gate): etcd's permission check of each
+	// watch create, and which streams only etcd can serve. nil:
+	// gate.Unchecked, a proxy in front of an etcd without auth.
+	Gate    Gate
 	Logger  *zap.Logger
 	Metrics *Metrics
 }
@@ -118,8 +127,7 @@ type Server struct {
 	upstream        pb.WatchClient
 	inconsistent    func() bool
 	inconsistencies func() uint64
-	authorize       func(ctx context.Context, key, rangeEnd []byte) error
-	relay           func(ctx context.Context) bool
+	gate            Gate
 	interval        time.Duration
 	followEtcd      bool // periodic progress ticks with etcd's (interval is then the fallback)
 	maxBytes        int
@@ -155,11 +163,8 @@ func New(cfg Config) *Server {
 	if cfg.Inconsistent == nil {
 		cfg.Inconsistent = func() bool { return false }
 	}
-	if cfg.Authorize == nil {
-		cfg.Authorize = func(context.Context, []byte, []byte) error { return nil }
-	}
-	if cfg.Relay == nil {
-		cfg.Relay = hasToken
+	if cfg.Gate == nil {
+		cfg.Gate = gate.Unchecked{}
 	}
 	return &Server{
 		store:           cfg.Store,
@@ -167,8 +172,7 @@ func New(cfg Config) *Server {
 		upstream:        cfg.Upstream,
 		inconsistent:    cfg.Inconsistent,
 		inconsistencies: cfg.Inconsistencies,
-		authorize:       cfg.Authorize,
-		relay:           cfg.Relay,
+		gate:            cfg.Gate,
 		interval:        cfg.ProgressNotifyInterval,
 		followEtcd:      followEtcd,
 		maxBytes:        cfg.FragmentBytes,
@@ -179,12 +183,6 @@ func New(cfg Config) *Server {
 		catchupStall:    catchupStall,
 		closing:         make(chan struct{}),
 	}
-}
-
-// hasToken reports whether the caller sent an auth token.
-func hasToken(ctx context.Context) bool {
-	md, _ := metadata.FromIncomingContext(ctx)
-	return len(md.Get(rpctypes.TokenFieldNameGRPC)) > 0 || len(md.Get(rpctypes.TokenFieldNameSwagger)) > 0
 }
 
 // Close ends every stream with etcd's "server stopped", which clients
@@ -198,7 +196,7 @@ func (s *Server) Close() {
 func (s *Server) Watch(gs pb.Watch_WatchServer) error {
 	ctx := gs.Context()
 	md, _ := metadata.FromIncomingContext(ctx)
-	if s.inconsistent() || s.relay(ctx) {
+	if s.inconsistent() || s.gate.RelayWatch(ctx) {
 		// While the store is found inconsistent, etcd answers; and only
 		// etcd can check some callers' permissions.
 		s.m.relayed()

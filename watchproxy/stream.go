@@ -263,7 +263,7 @@ func (st *stream) create(cr *pb.WatchCreateRequest) error {
 	// etcd checks the range as the request gives it, before it reads a
 	// "\x00" range end as "from key on"; its cancel reason is the gRPC
 	// error's text.
-	if err := st.s.authorize(st.ctx, key, cr.RangeEnd); err != nil {
+	if err := st.s.gate.AuthorizeWatch(st.ctx, key, cr.RangeEnd); err != nil {
 		return refuse(err.Error())
 	}
 	end := cr.RangeEnd

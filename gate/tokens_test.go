@@ -1,4 +1,4 @@
-package server
+package gate
 
 import (
 	"context"
@@ -7,13 +7,10 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
 	"google.golang.org/grpc/metadata"
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 )
-
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // TestTokensTrustOnlyWhatEtcdAcceptedRecently: a token is trusted for cached
 // reads only at the auth revision etcd accepted it at and within
@@ -21,37 +18,37 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // refusal proves it valid.
 func TestTokensTrustOnlyWhatEtcdAcceptedRecently(t *testing.T) {
 	ts := newTokens()
-	if _, ok := ts.trusted("t1", 5, defaultAuthTokenCheckInterval); ok {
+	if _, ok := ts.trusted("t1", 5, DefaultTokenCheckInterval); ok {
 		t.Fatal("a token never issued through the proxy is trusted")
 	}
 	ts.issued("t1", "alice", 5, true)
-	if user, ok := ts.trusted("t1", 5, defaultAuthTokenCheckInterval); !ok || user != "alice" {
+	if user, ok := ts.trusted("t1", 5, DefaultTokenCheckInterval); !ok || user != "alice" {
 		t.Fatalf("a token just issued: %q, %v", user, ok)
 	}
-	if _, ok := ts.trusted("t1", 6, defaultAuthTokenCheckInterval); ok {
+	if _, ok := ts.trusted("t1", 6, DefaultTokenCheckInterval); ok {
 		t.Fatal("a token is trusted after the auth revision moved")
 	}
 	ts.answered("t1", 6, true, rpctypes.ErrGRPCPermissionDenied)
-	if _, ok := ts.trusted("t1", 6, defaultAuthTokenCheckInterval); !ok {
+	if _, ok := ts.trusted("t1", 6, DefaultTokenCheckInterval); !ok {
 		t.Fatal("etcd's permission refusal did not prove the token valid at the new revision")
 	}
 	ts.mu.Lock()
-	ts.byToken["t1"].verifiedAt = time.Now().Add(-2 * defaultAuthTokenCheckInterval)
+	ts.byToken["t1"].verifiedAt = time.Now().Add(-2 * DefaultTokenCheckInterval)
 	ts.mu.Unlock()
-	if _, ok := ts.trusted("t1", 6, defaultAuthTokenCheckInterval); ok {
+	if _, ok := ts.trusted("t1", 6, DefaultTokenCheckInterval); ok {
 		t.Fatal("a token etcd last accepted long ago is trusted")
 	}
 	ts.answered("t1", 6, true, nil)
-	if _, ok := ts.trusted("t1", 6, defaultAuthTokenCheckInterval); !ok {
+	if _, ok := ts.trusted("t1", 6, DefaultTokenCheckInterval); !ok {
 		t.Fatal("a forwarded read etcd answered did not renew the token")
 	}
 	ts.answered("t1", 6, true, rpctypes.ErrGRPCInvalidAuthToken)
-	if _, ok := ts.trusted("t1", 6, defaultAuthTokenCheckInterval); ok {
+	if _, ok := ts.trusted("t1", 6, DefaultTokenCheckInterval); ok {
 		t.Fatal("a token etcd called invalid is still trusted")
 	}
 	ts.issued("t2", "bob", 6, true)
 	ts.answered("t2", 6, true, errors.New("unavailable"))
-	if _, ok := ts.trusted("t2", 6, defaultAuthTokenCheckInterval); !ok {
+	if _, ok := ts.trusted("t2", 6, DefaultTokenCheckInterval); !ok {
 		t.Fatal("an unrelated error ended a token")
 	}
 
@@ -59,11 +56,11 @@ func TestTokensTrustOnlyWhatEtcdAcceptedRecently(t *testing.T) {
 	// while it moved, proves nothing at the new revision: etcd may have
 	// checked the token before the change.
 	ts.issued("t3", "carol", 7, false)
-	if _, ok := ts.trusted("t3", 7, defaultAuthTokenCheckInterval); ok || !ts.known("t3") {
+	if _, ok := ts.trusted("t3", 7, DefaultTokenCheckInterval); ok || !ts.known("t3") {
 		t.Fatal("a token issued while the auth revision moved is trusted, or not known")
 	}
 	ts.answered("t3", 7, false, nil)
-	if _, ok := ts.trusted("t3", 7, defaultAuthTokenCheckInterval); ok {
+	if _, ok := ts.trusted("t3", 7, DefaultTokenCheckInterval); ok {
 		t.Fatal("an answer given while the auth revision moved made a token trusted")
 	}
 }

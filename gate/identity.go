@@ -1,4 +1,4 @@
-package server
+package gate
 
 import (
 	"context"
@@ -8,41 +8,42 @@ import (
 	"google.golang.org/grpc/peer"
 )
 
-// callerKind is how etcd identifies a request's caller.
-type callerKind int
+// CallerKind is how etcd identifies a request's caller.
+type CallerKind int
 
 const (
-	anonymous   callerKind = iota
-	tokenCaller            // a token in the request metadata: etcd checks it
-	certCaller             // no token, and the verified certificate's common name
+	Anonymous   CallerKind = iota // neither: etcd checks nothing, or refuses
+	TokenCaller                   // a token in the request metadata: etcd checks it
+	CertCaller                    // no token, and the verified certificate's common name
 )
 
-// caller is who sends a request, as etcd's AuthInfoFromCtx decides it: a
+// Caller is who sends a request, as etcd's AuthInfoFromCtx decides it: a
 // token first (a token key sent empty too: etcd refuses it as invalid,
 // and the proxy, which cannot attribute it, leaves that to etcd); else,
 // with --client-cert-auth, the common name of the verified client
 // certificate; else nobody.
-type caller struct {
-	kind  callerKind
-	token string // tokenCaller
-	cn    string // certCaller; may be empty, as a certificate may say
+type Caller struct {
+	Kind  CallerKind
+	Token string // TokenCaller
+	CN    string // CertCaller; may be empty, as a certificate may say
 }
 
-func (s *Server) callerOf(ctx context.Context) caller {
+// CallerOf is the caller of a request.
+func (g *Gate) CallerOf(ctx context.Context) Caller {
 	if token, stripped, present := bearerTokenOf(ctx); present {
 		if stripped {
-			if r, err := s.rules(); err != nil || !r.BearerStripped {
+			if r, err := g.rules(); err != nil || !r.BearerStripped {
 				token = "Bearer " + token // the token etcd sees: no proxy knows it
 			}
 		}
-		return caller{kind: tokenCaller, token: token}
+		return Caller{Kind: TokenCaller, Token: token}
 	}
-	if s.cfg.ClientCertAuth {
+	if g.cfg.ClientCertAuth {
 		if cn, ok := certCommonNameOf(ctx); ok {
-			return caller{kind: certCaller, cn: cn}
+			return Caller{Kind: CertCaller, CN: cn}
 		}
 	}
-	return caller{kind: anonymous}
+	return Caller{Kind: Anonymous}
 }
 
 // certCommonNameOf is etcd's AuthInfoFromTLS: the common name of the first
@@ -75,6 +76,8 @@ func certCommonNameOf(ctx context.Context) (string, bool) {
 // proxy's own identity: a certificate caller's request, once checked here.
 type asProxyKey struct{}
 
-func asProxy(ctx context.Context) context.Context { return context.WithValue(ctx, asProxyKey{}, true) }
+// AsProxy marks ctx's upstream calls to go as the proxy.
+func AsProxy(ctx context.Context) context.Context { return context.WithValue(ctx, asProxyKey{}, true) }
 
-func isAsProxy(ctx context.Context) bool { v, _ := ctx.Value(asProxyKey{}).(bool); return v }
+// IsAsProxy reports whether ctx's upstream calls go as the proxy.
+func IsAsProxy(ctx context.Context) bool { v, _ := ctx.Value(asProxyKey{}).(bool); return v }

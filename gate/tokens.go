@@ -1,4 +1,4 @@
-package server
+package gate
 
 import (
 	"context"
@@ -19,7 +19,7 @@ import (
 //
 // A token is trusted for cached reads for --auth-token-check-interval
 // after etcd last accepted it, at the auth revision of that acceptance;
-// then it is shown to etcd again (Server.verifyToken). That proves it is
+// then it is shown to etcd again (Gate.verifyToken). That proves it is
 // still valid (etcd ends simple tokens on user deletion, a password change
 // and --auth-token-ttl without use, and the first two move the auth
 // revision) and, being a use, keeps it alive in etcd: a caller served from
@@ -119,9 +119,13 @@ func (t *tokens) answered(token string, rev uint64, current bool, err error) {
 	}
 }
 
+// TokenKeys are the request metadata keys etcd reads a caller's token
+// from: a forwarded request carries them for etcd to judge.
+var TokenKeys = []string{rpctypes.TokenFieldNameGRPC, rpctypes.TokenFieldNameSwagger}
+
 // tokenOf returns the caller's token, "" for none, where etcd's
 // AuthInfoFromCtx reads it: the token key, else the authorization key,
-// whose "Bearer " prefix etcd strips (since 3.6.13: see callerOf).
+// whose "Bearer " prefix etcd strips (since 3.6.13: see CallerOf).
 func tokenOf(ctx context.Context) string {
 	token, _, _ := bearerTokenOf(ctx)
 	return token
@@ -144,22 +148,22 @@ func bearerTokenOf(ctx context.Context) (token string, stripped, present bool) {
 	return "", false, false
 }
 
-// watchTokens is a client interceptor of the forwarding connection: etcd's
-// answer to a KV call made with a caller's token tells whether the token
-// is valid. Only KV calls tell: etcd checks every one's token, where it
-// skips the check for some other calls (Authenticate; LeaseLeases and
+// WatchTokens is the client interceptor of the forwarding connection:
+// etcd's answer to a KV call made with a caller's token tells whether the
+// token is valid. Only KV calls tell: etcd checks every one's token, where
+// it skips the check for some other calls (Authenticate; LeaseLeases and
 // MemberList in some releases), whose success then proves nothing. The
 // answer counts at the mirrored auth revision only if that did not move
 // while the call was out: etcd may have checked the token before a change
 // the mirror has seen since.
-func (s *Server) watchTokens(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+func (g *Gate) WatchTokens(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 	token := tokenOf(ctx)
 	if token == "" || !strings.HasPrefix(method, kvMethodPrefix) {
 		return invoker(ctx, method, req, reply, cc, opts...)
 	}
-	rev := s.mirroredAuthRevision()
+	rev := g.mirroredAuthRevision()
 	err := invoker(ctx, method, req, reply, cc, opts...)
-	s.tokens.answered(token, rev, s.mirroredAuthRevision() == rev, err)
+	g.tokens.answered(token, rev, g.mirroredAuthRevision() == rev, err)
 	return err
 }
 
@@ -167,35 +171,40 @@ func (s *Server) watchTokens(ctx context.Context, method string, req, reply any,
 const kvMethodPrefix = "/etcdserverpb.KV/"
 
 // mirroredAuthRevision is the auth revision of the mirror's checker, 0 if
-// none.
-func (s *Server) mirroredAuthRevision() uint64 {
-	if c := s.authMirror.Checker(); c != nil {
+// none (or before Connect).
+func (g *Gate) mirroredAuthRevision() uint64 {
+	if g.mirror == nil {
+		return 0
+	}
+	if c := g.mirror.Checker(); c != nil {
 		return c.Revision()
 	}
 	return 0
 }
 
-// authServer forwards the Auth service, and learns the tokens that
-// Authenticate issues through the proxy.
-type authServer struct {
-	pb.AuthServer
-	// revision is the mirrored auth revision (Server.mirroredAuthRevision);
-	// learn records a token issued at rev, current if the mirror did not
-	// move while Authenticate was out.
-	revision func() uint64
-	learn    func(token, user string, rev uint64, current bool)
-	// observed is told what a successful call showed of the auth state:
-	// etcd issues tokens only while auth is enabled.
-	observed func(enabled bool)
+// AuthServer is the Auth service forwarded to upstream, learning the
+// tokens that Authenticate issues through the proxy, and telling the
+// mirror what a successful call showed of the auth state.
+func (g *Gate) AuthServer(upstream pb.AuthServer) pb.AuthServer {
+	return &authServer{AuthServer: upstream, g: g}
 }
 
+// authServer forwards the Auth service for a Gate.
+type authServer struct {
+	pb.AuthServer
+	g *Gate
+}
+
+// Authenticate records the token issued, at the mirrored auth revision,
+// current if the mirror did not move while Authenticate was out. etcd
+// issues tokens only while auth is enabled.
 func (a *authServer) Authenticate(ctx context.Context, r *pb.AuthenticateRequest) (*pb.AuthenticateResponse, error) {
-	rev := a.revision()
+	rev := a.g.mirroredAuthRevision()
 	resp, err := a.AuthServer.Authenticate(ctx, r)
 	if err == nil && resp.Token != "" {
-		current := a.revision() == rev
-		a.observed(true)
-		a.learn(resp.Token, r.Name, rev, current)
+		current := a.g.mirroredAuthRevision() == rev
+		a.g.mirror.Observed(true)
+		a.g.tokens.issued(resp.Token, r.Name, rev, current)
 	}
 	return resp, err
 }
@@ -203,7 +212,7 @@ func (a *authServer) Authenticate(ctx context.Context, r *pb.AuthenticateRequest
 func (a *authServer) AuthEnable(ctx context.Context, r *pb.AuthEnableRequest) (*pb.AuthEnableResponse, error) {
 	resp, err := a.AuthServer.AuthEnable(ctx, r)
 	if err == nil {
-		a.observed(true)
+		a.g.mirror.Observed(true)
 	}
 	return resp, err
 }
@@ -211,7 +220,7 @@ func (a *authServer) AuthEnable(ctx context.Context, r *pb.AuthEnableRequest) (*
 func (a *authServer) AuthDisable(ctx context.Context, r *pb.AuthDisableRequest) (*pb.AuthDisableResponse, error) {
 	resp, err := a.AuthServer.AuthDisable(ctx, r)
 	if err == nil {
-		a.observed(false)
+		a.g.mirror.Observed(false)
 	}
 	return resp, err
 }

@@ -1,4 +1,4 @@
-package server
+package gate
 
 import (
 	"context"
@@ -24,23 +24,23 @@ func TestCallerOf(t *testing.T) {
 	md := func(kv ...string) context.Context {
 		return metadata.NewIncomingContext(context.Background(), metadata.Pairs(kv...))
 	}
-	withCN := &Server{cfg: Config{ClientCertAuth: true}}
-	withoutCN := &Server{}
+	withCN := &Gate{cfg: Config{ClientCertAuth: true}}
+	withoutCN := &Gate{}
 	for _, tc := range []struct {
 		name string
-		s    *Server
+		g    *Gate
 		ctx  context.Context
-		want caller
+		want Caller
 	}{
-		{"nothing", withCN, md(), caller{kind: anonymous}},
-		{"token", withCN, verified(md("token", "t1"), "alice"), caller{kind: tokenCaller, token: "t1"}},
-		{"certificate", withCN, verified(md(), "alice"), caller{kind: certCaller, cn: "alice"}},
-		{"certificate without a name", withCN, verified(md(), ""), caller{kind: certCaller, cn: ""}},
-		{"certificate, no --client-cert-auth", withoutCN, verified(md(), "alice"), caller{kind: anonymous}},
-		{"gateway", withCN, verified(md("grpcgateway-accept", "application/json"), "server"), caller{kind: anonymous}},
-		{"unverified", withCN, peer.NewContext(md(), &peer.Peer{AuthInfo: credentials.TLSInfo{}}), caller{kind: anonymous}},
+		{"nothing", withCN, md(), Caller{Kind: Anonymous}},
+		{"token", withCN, verified(md("token", "t1"), "alice"), Caller{Kind: TokenCaller, Token: "t1"}},
+		{"certificate", withCN, verified(md(), "alice"), Caller{Kind: CertCaller, CN: "alice"}},
+		{"certificate without a name", withCN, verified(md(), ""), Caller{Kind: CertCaller, CN: ""}},
+		{"certificate, no --client-cert-auth", withoutCN, verified(md(), "alice"), Caller{Kind: Anonymous}},
+		{"gateway", withCN, verified(md("grpcgateway-accept", "application/json"), "server"), Caller{Kind: Anonymous}},
+		{"unverified", withCN, peer.NewContext(md(), &peer.Peer{AuthInfo: credentials.TLSInfo{}}), Caller{Kind: Anonymous}},
 	} {
-		if got := tc.s.callerOf(tc.ctx); got != tc.want {
+		if got := tc.g.CallerOf(tc.ctx); got != tc.want {
 			t.Errorf("%s: %+v, want %+v", tc.name, got, tc.want)
 		}
 	}
