@@ -181,13 +181,6 @@ func (f *Follower) IsReady() bool {
 	}
 }
 
-// Loading reports whether the store is being loaded or reloaded from etcd,
-// and so cannot answer for etcd's current state.
-func (f *Follower) Loading() bool {
-	p := f.Phase()
-	return p == PhaseLoading || p == PhaseReloading
-}
-
 // Serving reports whether the store answers for etcd (PhaseServing): the
 // first load has caught up and no reload is under way.
 func (f *Follower) Serving() bool { return f.Phase() == PhaseServing }
