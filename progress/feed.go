@@ -145,7 +145,7 @@ func (f *Follower) feed(ctx context.Context) {
 			f.takeReloadReason() // this reload serves any asked for meanwhile
 			f.lg.Warn("reloading the keyspace from etcd", zap.String("reason", reload.reason), zap.Error(reload.err))
 			f.m.observeReload(reload.reason)
-			f.loading.Store(true)
+			f.life.reloading()
 			needLoad = true
 			continue
 		}
@@ -254,8 +254,7 @@ func (f *Follower) loadKeyspace(ctx context.Context, at *pb.ResponseHeader, hist
 		if prev := f.loadErr.Swap(nil); prev != nil && errors.Is(*prev, ErrIdentityRefused) {
 			f.lg.Info("etcd lets the proxy read the keyspace now: the cache is on")
 		}
-		f.loading.Store(false)
-		f.readyAt(current)
+		f.loaded(current)
 		return nil
 	}
 }

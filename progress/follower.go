@@ -52,6 +52,8 @@ type Config struct {
 // lives in its own part:
 //
 //   - the upstream feed: load, watch, resume and reload (feed.go);
+//   - the phase, which the feed moves: loading, serving, reloading,
+//     stopped (lifecycle, phase.go);
 //   - freshness proofs: Fence, WaitRevision and WaitFresh (freshness.go),
 //     over shared quorum reads (headProbe) and coalesced RequestProgress
 //     calls (progressRequests);
@@ -80,11 +82,8 @@ type Follower struct {
 	compaction *compactionProber
 	ticker     *progressTicker
 
-	ready     chan struct{} // closed once the first load has caught up
-	readyOnce sync.Once
+	life      *lifecycle  // the phase: loading, serving, reloading, stopped
 	following followState // the upstream watch is established, and since when not
-	loading   atomic.Bool // a load or reload is under way (Phase)
-	stopped   atomic.Bool // Run has returned (Phase)
 	timeline  timeline
 	// verified is the generation of the upstream watch stream while it is
 	// established and verified to continue the store's history; 0 while
@@ -98,7 +97,6 @@ type Follower struct {
 
 	mu sync.Mutex
 	// Guarded by mu.
-	readyTarget  int64              // revision at which the first load counts as caught up; 0 once ready
 	reloadReason string             // a reload asked for by Reload, not yet begun
 	cancelFollow context.CancelFunc // ends the current upstream watch; nil between watches
 }
@@ -124,7 +122,7 @@ func New(cfg Config) *Follower {
 		m:        cfg.Metrics,
 		upstream: &upstreamState{},
 		requests: newProgressRequests(),
-		ready:    make(chan struct{}),
+		life:     newLifecycle(),
 	}
 	f.following.since.Store(time.Now().UnixNano())
 	f.version = newVersionTracker(f.upstream, pb.NewMaintenanceClient(conn), f.lg)
@@ -136,7 +134,6 @@ func New(cfg Config) *Follower {
 	f.ticker = &progressTicker{wc: f.wc, lg: f.lg}
 	f.compaction = newCompactionProber(f.store, f.kv, f.lg, cfg.CompactionProbeInterval, f.ObserveCompaction)
 	f.compaction.witness, f.compaction.checkHead = f.witness, f.checkHead
-	f.loading.Store(true)
 	f.m.bindStore(cfg.Store)
 	f.m.bindFollower(f)
 	return f
@@ -162,30 +159,24 @@ func (f *Follower) Run(ctx context.Context) error {
 		defer wg.Done()
 		f.version.run(ctx)
 	}()
-	defer f.stopped.Store(true)
+	defer f.life.stop()
 	f.feed(ctx)
 	return ctx.Err()
 }
 
 // Ready is closed once the store holds etcd's keyspace and has caught up
 // with the revision etcd had when loading started.
-func (f *Follower) Ready() <-chan struct{} { return f.ready }
+func (f *Follower) Ready() <-chan struct{} { return f.life.ready }
 
-// IsReady reports whether Ready is closed.
+// IsReady reports whether Ready is closed: whether the follower has left
+// PhaseLoading for PhaseServing, whatever its phase now.
 func (f *Follower) IsReady() bool {
 	select {
-	case <-f.ready:
+	case <-f.life.ready:
 		return true
 	default:
 		return false
 	}
-}
-
-// Loading reports whether the store is being loaded or reloaded from etcd,
-// and so cannot answer for etcd's current state.
-func (f *Follower) Loading() bool {
-	p := f.Phase()
-	return p == PhaseLoading || p == PhaseReloading
 }
 
 // Serving reports whether the store answers for etcd (PhaseServing): the
@@ -300,31 +291,19 @@ func (f *Follower) Loads() int64 { return f.loads.Load() }
 // (events applied, a progress notification, a load) or is reset.
 func (f *Follower) Changed() <-chan struct{} { return f.changes.wait() }
 
-// readyAt closes Ready once the store reaches target.
-func (f *Follower) readyAt(target int64) {
+// loaded records a load that reset the store: it serves once the store
+// reaches target, at once unless the load replays etcd's history.
+func (f *Follower) loaded(target int64) {
 	f.following.loaded()
-	if f.store.Rev() >= target {
-		f.readyOnce.Do(func() {
-			close(f.ready)
-			f.lg.Info("cache is ready", zap.Int64("revision", f.store.Rev()))
-		})
-		f.mu.Lock()
-		f.readyTarget = 0
-		f.mu.Unlock()
-		return
+	if f.life.loaded(f.store.Rev(), target) {
+		f.lg.Info("cache is ready", zap.Int64("revision", f.store.Rev()))
 	}
-	f.mu.Lock()
-	f.readyTarget = target
-	f.mu.Unlock()
 }
 
 // advanced wakes waiters after the store's revision moved.
 func (f *Follower) advanced() {
-	f.mu.Lock()
-	target := f.readyTarget
-	f.mu.Unlock()
-	if target != 0 && f.store.Rev() >= target {
-		f.readyAt(target)
+	if f.life.advanced(f.store.Rev()) {
+		f.lg.Info("cache is ready", zap.Int64("revision", f.store.Rev()))
 	}
 	f.changes.notify()
 }

@@ -131,7 +131,7 @@ func (f *Follower) timelineChanged(sign string, detail error) {
 	if !f.timeline.pending.CompareAndSwap(false, true) {
 		return
 	}
-	f.loading.Store(true)
+	f.life.reloading()
 	f.verified.Store(0)
 	f.timeline.epoch.Add(1)
 	f.timeline.changed.notify()
