@@ -10,6 +10,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/coalesce"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -51,10 +52,10 @@ type FenceCall struct {
 	wait  func(ctx context.Context, deadline time.Time) (int64, error)
 	f     *Follower
 	start time.Time
-	gen   uint64     // f.verified when it began
-	rev   int64      // the read's revision
-	probe *probeCall // the quorum read joined; nil with err
-	err   error      // why it failed as it began
+	gen   uint64               // f.verified when it began
+	rev   int64                // the read's revision
+	probe *coalesce.Run[int64] // the quorum read joined; nil with err
+	err   error                // why it failed as it began
 }
 
 // FenceOf returns a FenceCall whose Wait is wait: the fence of a follower

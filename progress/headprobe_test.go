@@ -179,13 +179,10 @@ func TestHeadProbeStopRunsTheProbeInFlight(t *testing.T) {
 	}
 }
 
-// waitQueued waits until n readers are parked on the queued probe, reading
-// the probe's state under its lock.
+// waitQueued waits until n readers are parked on the queued probe.
 func waitQueued(t *testing.T, p *headProbe, n int) {
 	t.Helper()
 	testsupport.WaitFor(t, 10*time.Second, fmt.Sprintf("%d readers queued behind the probe in flight", n), func() bool {
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		return p.next != nil && p.next.waiters == n
+		return p.calls.Waiting() == n
 	})
 }

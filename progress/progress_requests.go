@@ -13,15 +13,18 @@ import (
 // while the watcher is catching up. kube-apiserver re-sends at this pace.
 const progressResend = 100 * time.Millisecond
 
-// progressRequests coalesces RequestProgress calls on the upstream watch.
+// progressRequests coalesces RequestProgress calls on the upstream watch
+// under the rule stated in package coalesce's doc. It keeps a shape of its
+// own, not a coalesce.Call: the request is sent, and sent again, by the
+// watch stream's sender, and its answer arrives on the watch, not as a
+// call's return.
 //
-// Requests are numbered by generation. A waiter counts only answers to
-// requests sent after it arrived (generation > sent at arrival). etcd's
-// answers carry no request id, so an answer is taken to answer the latest
-// request sent. If it was really an older one's, the waiter may give up
-// early; WaitRevision's callers then ask etcd, which is always correct, so
-// only latency is lost. At most one request is in flight; later waiters
-// share the next one.
+// Requests are numbered by generation: a waiter counts only the answer to
+// a generation above the one sent when it arrived. etcd's answers carry no
+// request id, so an answer is taken to answer the latest request sent. If
+// it was really an older one's, the waiter may give up early;
+// WaitRevision's callers then ask etcd, which is always correct, so only
+// latency is lost.
 type progressRequests struct {
 	// kick wakes the sender; buffered 1, so a kick is never lost and never
 	// blocks.

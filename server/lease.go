@@ -155,12 +155,12 @@ func (w *keepAliveWaiter) deliver(resp *pb.LeaseKeepAliveResponse) {
 }
 
 // keepAlives multiplexes the keepalives of every client onto one upstream
-// LeaseKeepAlive stream.
-//
-// Invariant: a waiter is answered only by a response to an upstream request
-// sent after the waiter's request arrived. Per lease at most one upstream
-// request is in flight; requests that arrive while it is in flight share the
-// next one.
+// LeaseKeepAlive stream, coalesced per lease under the rule stated in
+// package coalesce's doc: a lease's inFlight waiters share the upstream
+// request in flight, its next waiters the one after. It keeps a shape of
+// its own, not a coalesce.Call: the requests of every lease share one
+// stream, whose responses arrive keyed by lease, and a broken stream's
+// requests are sent again on the next.
 type keepAlives struct {
 	ctx      context.Context // ends run and the upstream stream
 	upstream pb.LeaseClient

@@ -69,9 +69,9 @@ type stream struct {
 	// Fields below are touched only by the send loop (run).
 	watchers map[int64]*watcher
 	nextID   int64
-	// RequestProgress bookkeeping. Each request is answered once a
-	// freshness check begun after it arrived has proven a revision F, and
-	// every watcher has been sent everything up to some R >= F.
+	// RequestProgress bookkeeping (requestProgress). Each request is
+	// answered once a freshness check it may share has proven a revision
+	// F, and every watcher has been sent everything up to some R >= F.
 	progressUnchecked int              // arrived after the running check began, or with none running
 	progressChecking  int              // covered by the running check
 	progressProven    []provenProgress // proven by a check, awaiting the watchers; oldest first
@@ -591,11 +591,13 @@ func (st *stream) sendWatcherEvents(w *watcher, evs []*mvccpb.Event, rev int64) 
 
 // requestProgress records a RequestProgress. etcd answers none on a stream
 // without watchers. Otherwise the answer waits for proof, through the
-// follower's coalesced RequestProgress upstream, that the store holds
-// everything etcd had committed when the request arrived. A check already
-// running began earlier and cannot prove that, so the request waits for the
-// next check, which starts when the running one ends; requests that arrive
-// meanwhile share it.
+// follower's WaitFresh, that the store holds everything etcd had committed
+// when the request arrived. The stream's requests share these freshness
+// checks under the rule stated in package coalesce's doc: the running
+// check covers progressChecking, the next one progressUnchecked. They keep
+// a shape of their own, not a coalesce.Call: a request is a count kept by
+// the send loop, not a waiting caller, and a check's result comes back
+// into the loop's select (freshc), with no goroutine while none runs.
 func (st *stream) requestProgress() {
 	if len(st.watchers) == 0 {
 		return

@@ -1,11 +1,25 @@
 // Package coalesce shares one call among concurrent callers, each of whom
 // needs an answer produced after it arrived: a proof of freshness that
 // many readers can share, such as one AuthStatus for every linearizable
-// read waiting for it.
+// read waiting for it, or one quorum read of etcd's head for every read
+// fence.
 //
-// Unlike singleflight, a caller never joins a call already in flight (its
-// answer may predate the caller); it joins the next one, which starts when
-// the one in flight ends. At most one call runs and one waits.
+// The rule: a caller shares only a call that started after it arrived.
+// Unlike singleflight, a caller never joins a call already in flight: etcd
+// may have answered it before a write the caller saw acknowledged. It
+// joins the next one, which starts when the one in flight ends, and which
+// every caller arriving meanwhile shares. At most one call runs and one
+// waits.
+//
+// This is the one statement of the rule. The protocols whose answer
+// arrives on a stream rather than as a call's return keep it in their own
+// shape and point here: RequestProgress on the follower's watch
+// (progress/progress_requests.go), lease keepalives (server/lease.go), and
+// RequestProgress on a client's watch stream (watchproxy/stream.go).
+//
+// A caller may ask for a revision (Join): the call then runs at the least
+// revision its callers asked for, and each caller judges the answer for
+// its own revision (Run.Rev).
 package coalesce
 
 import (
@@ -14,94 +28,184 @@ import (
 	"sync"
 )
 
-// ErrStopped is returned once the owner stopped the Call.
+// ErrStopped is returned once the owner stopped the Call, or before it
+// started it.
 var ErrStopped = errors.New("coalesce: stopped")
 
-// Call runs fn for the callers of Do, on a goroutine it owns: Start gives
-// it the context calls run under, Stop waits for it.
+// Call runs fn for the callers that join it, on one goroutine that the
+// Call owns from Start to Stop. The goroutine lives as long as the Call
+// rather than per burst of calls, so that its stack, grown by fn's RPC, is
+// not grown again each time.
 type Call[T any] struct {
-	fn func(ctx context.Context) (T, error)
+	fn func(ctx context.Context, rev int64) (T, error)
 
-	wg sync.WaitGroup // the goroutine running calls, if any
+	wg   sync.WaitGroup // the goroutine running calls, from Start to Stop
+	kick chan struct{}  // buffered 1: a run was put in flight
+	quit chan struct{}  // closed by Stop
 
 	mu sync.Mutex
 	// Guarded by mu.
 	ctx      context.Context // calls run under it; nil until Start
-	stopped  bool
-	inFlight *result[T] // the call running; nil if none
-	next     *result[T] // the call that starts when inFlight ends
+	stopped  bool            // set by Stop; no run is put in flight after it
+	inFlight *Run[T]         // the run in flight; nil if none
+	next     *Run[T]         // the run that starts when inFlight ends
 }
 
-// result is one run of fn; val and err are written before done is closed
-// and read only after.
-type result[T any] struct {
-	done    chan struct{}
-	waiters int // callers sharing it; under Call.mu
-	val     T
-	err     error
+// Run is one run of fn, shared by the callers that joined it.
+type Run[T any] struct {
+	done chan struct{} // closed once val and err are set
+	// rev is the least revision its callers asked for (0: none asked).
+	// Written under Call.mu by callers that join while the run is next;
+	// read by the runner when the run starts, no longer changing.
+	rev     int64
+	waiters int // callers that joined; under Call.mu
+	// val and err are fn's answer, written by the runner before done is
+	// closed and read only after.
+	val T
+	err error
 }
 
-// New returns a Call of fn.
+// New returns a Call of fn, for callers that ask for no revision.
 func New[T any](fn func(ctx context.Context) (T, error)) *Call[T] {
-	return &Call[T]{fn: fn}
+	return NewAtRev(func(ctx context.Context, _ int64) (T, error) { return fn(ctx) })
 }
 
-// Start lets calls run, under ctx.
+// NewAtRev returns a Call of fn, which is given the least revision that
+// the run's callers asked for (0: none asked).
+func NewAtRev[T any](fn func(ctx context.Context, rev int64) (T, error)) *Call[T] {
+	return &Call[T]{fn: fn, kick: make(chan struct{}, 1), quit: make(chan struct{})}
+}
+
+// Start lets calls run, under ctx, on the Call's goroutine. It is called
+// once.
 func (c *Call[T]) Start(ctx context.Context) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.ctx = ctx
+	c.wg.Add(1)
+	go c.loop(ctx)
 }
 
-// Stop refuses new calls and waits for the running one; the Start
-// context must be done, or the call in flight must end by itself.
+// Stop refuses new callers and waits for the goroutine to end. A run put
+// in flight before Stop still runs, so that its callers get an answer; the
+// Start context must be done, or that run must end by itself.
 func (c *Call[T]) Stop() {
 	c.mu.Lock()
+	first := !c.stopped
 	c.stopped = true
 	c.mu.Unlock()
+	if first {
+		close(c.quit)
+	}
 	c.wg.Wait()
 }
 
 // Do returns the answer of a run of fn that started after Do was called.
 func (c *Call[T]) Do(ctx context.Context) (T, error) {
-	var zero T
-	c.mu.Lock()
-	if c.stopped || c.ctx == nil {
-		c.mu.Unlock()
-		return zero, ErrStopped
+	r, err := c.Join(0)
+	if err != nil {
+		var zero T
+		return zero, err
 	}
-	var r *result[T]
+	return r.Wait(ctx)
+}
+
+// Join joins the caller to a run of fn that starts after the call, asking
+// for rev (0: none), without waiting for it: the run goes on while the
+// caller does other work, and Wait or Done collects its answer.
+func (c *Call[T]) Join(rev int64) (*Run[T], error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.stopped || c.ctx == nil {
+		return nil, ErrStopped
+	}
+	var r *Run[T]
 	switch {
 	case c.inFlight == nil:
-		r = &result[T]{done: make(chan struct{})}
+		r = &Run[T]{done: make(chan struct{}), rev: rev}
 		c.inFlight = r
-		c.wg.Add(1)
-		go c.run(c.ctx, r)
+		c.kick <- struct{}{} // never blocks: loop took the last kick before inFlight was cleared
 	case c.next == nil:
-		r = &result[T]{done: make(chan struct{})}
+		r = &Run[T]{done: make(chan struct{}), rev: rev}
 		c.next = r
 	default:
 		r = c.next
+		r.rev = minPositive(r.rev, rev)
 	}
 	r.waiters++
-	c.mu.Unlock()
-	select {
-	case <-r.done:
-		return r.val, r.err
-	case <-ctx.Done():
-		return zero, ctx.Err()
+	return r, nil
+}
+
+// Waiting is the number of callers that joined the run waiting behind the
+// one in flight.
+func (c *Call[T]) Waiting() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.next == nil {
+		return 0
+	}
+	return c.next.waiters
+}
+
+// loop runs each run put in flight, until Stop; a run put in flight before
+// Stop still runs.
+func (c *Call[T]) loop(ctx context.Context) {
+	defer c.wg.Done()
+	for stopped := false; !stopped; {
+		select {
+		case <-c.kick:
+		case <-c.quit:
+			stopped = true // no run is put in flight after this
+		}
+		c.mu.Lock()
+		r := c.inFlight
+		c.mu.Unlock()
+		if r != nil {
+			c.runFrom(ctx, r)
+		}
 	}
 }
 
-// run runs r, then the call that waited behind it, until none waits.
-func (c *Call[T]) run(ctx context.Context, r *result[T]) {
-	defer c.wg.Done()
+// runFrom runs r, then the run that waited behind it, until none waits.
+func (c *Call[T]) runFrom(ctx context.Context, r *Run[T]) {
 	for r != nil {
-		r.val, r.err = c.fn(ctx)
+		r.val, r.err = c.fn(ctx, r.rev)
 		c.mu.Lock()
 		close(r.done)
 		r = c.next
 		c.inFlight, c.next = r, nil
 		c.mu.Unlock()
 	}
+}
+
+// Done is closed once the run's answer is in.
+func (r *Run[T]) Done() <-chan struct{} { return r.done }
+
+// Answer is the run's answer; it is read after Done is closed.
+func (r *Run[T]) Answer() (T, error) { return r.val, r.err }
+
+// Rev is the revision the run was made at: the least its callers asked for
+// (0: none asked). It is read after Done is closed.
+func (r *Run[T]) Rev() int64 { return r.rev }
+
+// Wait returns the run's answer, or ctx's error if ctx is done first.
+func (r *Run[T]) Wait(ctx context.Context) (T, error) {
+	select {
+	case <-r.done:
+		return r.val, r.err
+	case <-ctx.Done():
+		var zero T
+		return zero, ctx.Err()
+	}
+}
+
+// minPositive is the lesser of two revisions, 0 standing for none.
+func minPositive(a, b int64) int64 {
+	switch {
+	case a <= 0:
+		return b
+	case b <= 0:
+		return a
+	}
+	return min(a, b)
 }

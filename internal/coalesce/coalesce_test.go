@@ -81,3 +81,108 @@ func TestStopped(t *testing.T) {
 		t.Fatalf("after Stop: %v", err)
 	}
 }
+
+// TestJoinAtTheLeastRevision: a run is made at the least revision its
+// callers asked for, 0 standing for none, and each caller learns which.
+func TestJoinAtTheLeastRevision(t *testing.T) {
+	started := make(chan int64, 10)
+	release := make(chan struct{})
+	c := NewAtRev(func(ctx context.Context, rev int64) (int64, error) {
+		started <- rev
+		<-release
+		return rev, nil
+	})
+	c.Start(context.Background())
+	defer c.Stop()
+
+	first, err := c.Join(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rev := <-started; rev != 0 {
+		t.Fatalf("first run at %d, want 0", rev)
+	}
+	var queued []*Run[int64]
+	for _, rev := range []int64{7, 0, 5, 9} {
+		r, err := c.Join(rev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		queued = append(queued, r)
+	}
+	if n := c.Waiting(); n != len(queued) {
+		t.Fatalf("%d callers waiting, want %d", n, len(queued))
+	}
+	release <- struct{}{}
+	if v, err := first.Wait(context.Background()); v != 0 || err != nil || first.Rev() != 0 {
+		t.Fatalf("first run: %d, %v at %d; want 0 at 0", v, err, first.Rev())
+	}
+	if rev := <-started; rev != 5 {
+		t.Fatalf("second run at %d, want 5 (the least revision asked)", rev)
+	}
+	close(release)
+	for i, r := range queued {
+		if r != queued[0] {
+			t.Fatalf("caller %d joined another run than caller 0", i)
+		}
+		if v, err := r.Wait(context.Background()); v != 5 || err != nil || r.Rev() != 5 {
+			t.Fatalf("caller %d: %d, %v at %d; want 5 at 5", i, v, err, r.Rev())
+		}
+	}
+}
+
+// TestJoinThenWait: a caller joins at once and collects the answer later;
+// a wait that gives up leaves the run going, and Done closes when it ends.
+func TestJoinThenWait(t *testing.T) {
+	release := make(chan struct{})
+	c := New(func(ctx context.Context) (int, error) {
+		<-release
+		return 7, nil
+	})
+	c.Start(context.Background())
+	defer c.Stop()
+
+	r, err := c.Join(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := r.Wait(ctx); err != context.Canceled {
+		t.Fatalf("a canceled wait returned %v", err)
+	}
+	select {
+	case <-r.Done():
+		t.Fatal("Done before the run ended")
+	default:
+	}
+	close(release)
+	<-r.Done()
+	if v, err := r.Answer(); v != 7 || err != nil {
+		t.Fatalf("Answer = %d, %v; want 7", v, err)
+	}
+}
+
+// TestStopRunsTheRunInFlight: a run put in flight just before Stop still
+// runs, so that its callers get an answer; Stop may be called again.
+func TestStopRunsTheRunInFlight(t *testing.T) {
+	c := New(func(context.Context) (int, error) { return 42, nil })
+	c.Start(context.Background())
+	r, err := c.Join(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Stop()
+	select {
+	case <-r.Done():
+	default:
+		t.Fatal("Stop returned before the run put in flight ran")
+	}
+	if v, err := r.Answer(); v != 42 || err != nil {
+		t.Fatalf("Answer = %d, %v; want 42 from the run put in flight before Stop", v, err)
+	}
+	if _, err := c.Join(0); err != ErrStopped {
+		t.Fatalf("Join after Stop: %v", err)
+	}
+	c.Stop()
+}
