@@ -45,7 +45,7 @@ type Config struct {
 	Follower Follower
 	// Upstream is etcd's KV service.
 	Upstream pb.KVClient
-	// Interval between checks (DefaultInterval if 0).
+	// Interval between periodic checks (0: none; Run returns at once).
 	Interval   time.Duration
 	Logger     *zap.Logger
 	Registerer prometheus.Registerer
@@ -70,9 +70,6 @@ type Checker struct {
 
 // New returns a Checker; call Run to check periodically.
 func New(cfg Config) *Checker {
-	if cfg.Interval <= 0 {
-		cfg.Interval = DefaultInterval
-	}
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
@@ -105,6 +102,9 @@ func (c *Checker) Fallback() bool { return c.fallback.Load() }
 // Run checks every interval until ctx is done. After a failed check it
 // checks again as soon as the cache has reloaded.
 func (c *Checker) Run(ctx context.Context) {
+	if c.cfg.Interval <= 0 {
+		return
+	}
 	t := time.NewTimer(c.cfg.Interval)
 	defer t.Stop()
 	for {

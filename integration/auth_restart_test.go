@@ -25,11 +25,13 @@ func TestAuthTokensAfterEtcdRestart(t *testing.T) {
 	dir := t.TempDir()
 	env.start(dir)
 	setUpAuth(t, callerClient(t, env.clientURL, "", "", nil))
-	p := servertest.StartProxy(t, server.Config{
-		Endpoints: []string{env.clientURL}, ListenAddr: "127.0.0.1:0",
-		User: "root", Password: "rootpw",
-		Logger: zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)),
-	})
+	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{env.clientURL}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.User = "root"
+		cfg.Password = "rootpw"
+		cfg.Logger = zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))
+	}))
 	alice := callerClient(t, "http://"+p.Addr(), "alice", "alicepw", nil)
 	read := func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

@@ -57,11 +57,13 @@ func startAuthProxy(t *testing.T) (string, *server.Server, *clientv3.Client) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	etcdEP := "http://" + e.Clients[0].Addr().String()
 	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := servertest.StartProxy(t, server.Config{
-		Endpoints: []string{etcdEP}, ListenAddr: "127.0.0.1:0",
-		User: "root", Password: "rootpw",
-		Logger: zaptest.NewLogger(t),
-	})
+	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{etcdEP}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.User = "root"
+		cfg.Password = "rootpw"
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 	return etcdEP, p, callerClient(t, etcdEP, "root", "rootpw", nil)
 }
 
@@ -182,13 +184,13 @@ func TestAuthCertificateIdentityNotLent(t *testing.T) {
 	curl := startTLSEtcd(t, pki, dir)
 
 	setUpAuth(t, callerClient(t, curl.String(), "", "", pki.tlsConfig(t, rootCert, rootKey)))
-	p := servertest.StartProxy(t, server.Config{
-		Endpoints:   []string{curl.String()},
-		ListenAddr:  "127.0.0.1:0",
-		UpstreamTLS: transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: rootCert, KeyFile: rootKey},
-		ServerTLS:   transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca},
-		Logger:      zaptest.NewLogger(t),
-	})
+	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{curl.String()}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.UpstreamTLS = transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: rootCert, KeyFile: rootKey}
+		cfg.ServerTLS = transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca}
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 	alice := callerClient(t, "https://"+p.Addr(), "", "", pki.tlsConfig(t, aliceCert, aliceKey))
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

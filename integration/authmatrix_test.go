@@ -183,18 +183,22 @@ func startPasswordMatrix(t *testing.T, tiered bool) *matrixEnv {
 	upstream := env.etcdEP
 	if tiered {
 		env.mode = "tiered"
-		inner := servertest.StartProxy(t, server.Config{
-			Endpoints: []string{upstream}, ListenAddr: "127.0.0.1:0",
-			User: "root", Password: "rootpw",
-			Logger: matrixLogger(t).Named("inner"),
-		})
+		inner := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+			cfg.Endpoints = []string{upstream}
+			cfg.ListenAddr = "127.0.0.1:0"
+			cfg.User = "root"
+			cfg.Password = "rootpw"
+			cfg.Logger = matrixLogger(t).Named("inner")
+		}))
 		upstream = "http://" + inner.Addr()
 	}
-	env.proxy = servertest.StartProxy(t, server.Config{
-		Endpoints: []string{upstream}, ListenAddr: "127.0.0.1:0",
-		User: "root", Password: "rootpw",
-		Logger: matrixLogger(t),
-	})
+	env.proxy = servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{upstream}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.User = "root"
+		cfg.Password = "rootpw"
+		cfg.Logger = matrixLogger(t)
+	}))
 	env.proxyEP = "http://" + env.proxy.Addr()
 	env.seed(t)
 	// A caller authenticates once with each target and sends its token:
@@ -244,15 +248,16 @@ func startCertMatrix(t *testing.T) *matrixEnv {
 	setUpAuth(t, callerClient(t, env.etcdEP, "", "", tlsFor(t, "root")))
 	env.root = callerClient(t, env.etcdEP, "", "", tlsFor(t, "root"))
 	env.r0 = env.etcdRev(t) - 1
-	env.proxy = servertest.StartProxy(t, server.Config{
-		Endpoints:      []string{env.etcdEP},
-		ListenAddr:     "127.0.0.1:0",
-		UpstreamTLS:    transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: certs[""][0], KeyFile: certs[""][1]},
-		ServerTLS:      transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca},
-		ClientCertAuth: true,
-		User:           "root", Password: "rootpw",
-		Logger: matrixLogger(t),
-	})
+	env.proxy = servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{env.etcdEP}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.UpstreamTLS = transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: certs[""][0], KeyFile: certs[""][1]}
+		cfg.ServerTLS = transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca}
+		cfg.ClientCertAuth = true
+		cfg.User = "root"
+		cfg.Password = "rootpw"
+		cfg.Logger = matrixLogger(t)
+	}))
 	env.proxyEP = "https://" + env.proxy.Addr()
 	env.seed(t)
 	for _, c := range []struct{ name, cn string }{

@@ -64,12 +64,14 @@ func TestAuthJWT(t *testing.T) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{AuthToken: "jwt,pub-key=" + pub + ",priv-key=" + priv + ",sign-method=RS256,ttl=10m"})
 	etcdEP := server.EmbeddedEndpoint(e)
 	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := servertest.StartProxy(t, server.Config{
-		Endpoints: []string{etcdEP}, ListenAddr: "127.0.0.1:0",
-		User: "root", Password: "rootpw",
-		AuthToken: "jwt,pub-key=" + pub + ",sign-method=RS256",
-		Logger:    zaptest.NewLogger(t),
-	})
+	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{etcdEP}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.User = "root"
+		cfg.Password = "rootpw"
+		cfg.AuthToken = "jwt,pub-key=" + pub + ",sign-method=RS256"
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	etcdConn, proxyConn := rawConn(t, strings.TrimPrefix(etcdEP, "http://")), rawConn(t, p.Addr()) // clientv3 would retry an invalid token 100 times
@@ -249,11 +251,13 @@ func TestAuthProxyIdentityMustReadEverything(t *testing.T) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	etcdEP := server.EmbeddedEndpoint(e)
 	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := servertest.StartProxyUnready(t, server.Config{
-		Endpoints: []string{etcdEP}, ListenAddr: "127.0.0.1:0",
-		User: "alice", Password: "alicepw",
-		Logger: zaptest.NewLogger(t),
-	})
+	p := servertest.StartProxyUnready(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{etcdEP}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.User = "alice"
+		cfg.Password = "alicepw"
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 	var body string
 	testsupport.WaitFor(t, waitTimeout, "/readyz to say why the proxy is not ready", func() bool {
 		resp, err := http.Get("http://" + p.Addr() + "/readyz?verbose")

@@ -30,13 +30,13 @@ func newBudgetCluster(tb testing.TB, budget int64, configure func(*server.Config
 	tb.Helper()
 	e := servertest.StartEtcd(tb, server.EmbeddedConfig{UnsafeNoFsync: true})
 	c := &cluster{etcd: e, etcdAddr: e.Clients[0].Addr().String()}
-	c.proxyCfg = server.Config{
-		Endpoints:               []string{"http://" + c.etcdAddr},
-		ListenAddr:              "127.0.0.1:0",
-		CompactionProbeInterval: 20 * time.Millisecond,
-		MaxHistoryBytes:         budget,
-		Logger:                  zaptest.NewLogger(tb),
-	}
+	c.proxyCfg = servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{"http://" + c.etcdAddr}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.CompactionProbeInterval = 20 * time.Millisecond
+		cfg.MaxHistoryBytes = budget
+		cfg.Logger = zaptest.NewLogger(tb)
+	})
 	if configure != nil {
 		configure(&c.proxyCfg)
 	}

@@ -33,12 +33,12 @@ func TestCachedReadBytesBounded(t *testing.T) {
 		valueN = 20 << 10
 	)
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
-	p := servertest.StartProxy(t, server.Config{
-		Endpoints:          []string{"http://" + e.Clients[0].Addr().String()},
-		ListenAddr:         "127.0.0.1:0",
-		MaxCachedReadBytes: bound,
-		Logger:             zaptest.NewLogger(t),
-	})
+	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{"http://" + e.Clients[0].Addr().String()}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.MaxCachedReadBytes = bound
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	etcdKV := pb.NewKVClient(rawConn(t, e.Clients[0].Addr().String()))

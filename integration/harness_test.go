@@ -75,25 +75,29 @@ func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 		upstream = c.relay.Addr()
 	}
 	if opts.tiered {
-		inner := servertest.StartProxy(tb, server.Config{
-			Endpoints:               []string{"http://" + upstream},
-			ListenAddr:              "127.0.0.1:0",
-			CompactionProbeInterval: 20 * time.Millisecond,
-			MaxRequestBytes:         opts.maxRequestBytes,
-			Logger:                  lg.Named("inner"),
-		})
+		inner := servertest.StartProxy(tb, servertest.Config(func(cfg *server.Config) {
+			cfg.Endpoints = []string{"http://" + upstream}
+			cfg.ListenAddr = "127.0.0.1:0"
+			cfg.CompactionProbeInterval = 20 * time.Millisecond
+			if opts.maxRequestBytes != 0 {
+				cfg.MaxRequestBytes = opts.maxRequestBytes
+			}
+			cfg.Logger = lg.Named("inner")
+		}))
 		upstream = inner.Addr()
 	}
-	c.proxyCfg = server.Config{
-		Endpoints:                   []string{"http://" + upstream},
-		ListenAddr:                  "127.0.0.1:0",
-		MetricsAddr:                 "127.0.0.1:0",
-		CompactionProbeInterval:     20 * time.Millisecond,
-		LoadRetainedHistory:         opts.loadRetainedHistory,
-		MaxRequestBytes:             opts.maxRequestBytes,
-		WatchProgressNotifyInterval: opts.progressNotifyInterval,
-		Logger:                      lg,
-	}
+	c.proxyCfg = servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{"http://" + upstream}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.MetricsAddr = "127.0.0.1:0"
+		cfg.CompactionProbeInterval = 20 * time.Millisecond
+		cfg.LoadRetainedHistory = opts.loadRetainedHistory
+		if opts.maxRequestBytes != 0 {
+			cfg.MaxRequestBytes = opts.maxRequestBytes
+		}
+		cfg.WatchProgressNotifyInterval = opts.progressNotifyInterval
+		cfg.Logger = lg
+	})
 	if opts.quiet {
 		c.proxyCfg.Logger = nil
 	}

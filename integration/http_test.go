@@ -55,13 +55,13 @@ func TestHTTPEndpoints(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := servertest.StartEtcd(t, server.EmbeddedConfig{})
-			cfg := server.Config{
-				Endpoints:   []string{"http://" + e.Clients[0].Addr().String()},
-				ListenAddr:  "127.0.0.1:0",
-				MetricsAddr: tc.metricsAddr,
-				EnablePprof: true,
-				Logger:      zaptest.NewLogger(t),
-			}
+			cfg := servertest.Config(func(cfg *server.Config) {
+				cfg.Endpoints = []string{"http://" + e.Clients[0].Addr().String()}
+				cfg.ListenAddr = "127.0.0.1:0"
+				cfg.MetricsAddr = tc.metricsAddr
+				cfg.EnablePprof = true
+				cfg.Logger = zaptest.NewLogger(t)
+			})
 			scheme, httpc := "http", http.DefaultClient
 			var clientTLS *tls.Config
 			if tc.tls {
@@ -132,13 +132,13 @@ func TestTLSIdentityReachesHandlers(t *testing.T) {
 		}
 		return handler(ctx, req)
 	}
-	p := servertest.StartProxy(t, server.Config{
-		Endpoints:         []string{"http://" + e.Clients[0].Addr().String()},
-		ListenAddr:        "127.0.0.1:0",
-		ServerTLS:         transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca},
-		GRPCServerOptions: []grpc.ServerOption{grpc.ChainUnaryInterceptor(record)},
-		Logger:            zaptest.NewLogger(t),
-	})
+	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{"http://" + e.Clients[0].Addr().String()}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.ServerTLS = transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca}
+		cfg.GRPCServerOptions = []grpc.ServerOption{grpc.ChainUnaryInterceptor(record)}
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 	cli := callerClient(t, "https://"+p.Addr(), "", "", pki.tlsConfig(t, pki.clientCert, pki.clientKey))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()

@@ -48,21 +48,21 @@ func TestForwardedReadsNeverGoBack(t *testing.T) {
 	// The lagging endpoint: a proxy that holds every revision from 1, and
 	// refuses linearizable reads at once once its upstream is cut.
 	relay := testsupport.NewRelay(t, etcdAddr)
-	lagging := servertest.StartProxy(t, server.Config{
-		Endpoints:              []string{relay.Addr()},
-		ListenAddr:             "127.0.0.1:0",
-		FreshnessTimeout:       100 * time.Millisecond,
-		ConsistentReadFallback: kvproxy.FallbackFail,
-		Logger:                 lg.Named("lagging"),
-	})
+	lagging := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{relay.Addr()}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.FreshnessTimeout = 100 * time.Millisecond
+		cfg.ConsistentReadFallback = kvproxy.FallbackFail
+		cfg.Logger = lg.Named("lagging")
+	}))
 	put(9)
-	p := servertest.StartProxy(t, server.Config{
-		Endpoints:               []string{"http://" + etcdAddr, "http://" + lagging.Addr()},
-		ListenAddr:              "127.0.0.1:0",
-		RevisionWait:            50 * time.Millisecond,
-		CompactionProbeInterval: 20 * time.Millisecond,
-		Logger:                  lg.Named("proxy"),
-	})
+	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{"http://" + etcdAddr, "http://" + lagging.Addr()}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.RevisionWait = 50 * time.Millisecond
+		cfg.CompactionProbeInterval = 20 * time.Millisecond
+		cfg.Logger = lg.Named("proxy")
+	}))
 	oldest := p.Store().OldestRev()
 	frozen := put(5)
 	testsupport.WaitFor(t, waitTimeout, "both proxies to apply the writes", func() bool {

@@ -31,11 +31,11 @@ import (
 // three-member cluster loses its leader when two members stop.
 func TestRequireLeader(t *testing.T) {
 	members := startCluster(t, 3)
-	p := servertest.StartProxy(t, server.Config{
-		Endpoints:  []string{"http://" + members[0].e.Clients[0].Addr().String()},
-		ListenAddr: "127.0.0.1:0",
-		Logger:     zaptest.NewLogger(t),
-	})
+	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{"http://" + members[0].e.Clients[0].Addr().String()}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 	cli := newClient(t, p.Addr())
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

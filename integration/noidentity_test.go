@@ -32,12 +32,12 @@ func TestNoIdentityForwardsEverything(t *testing.T) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	etcdEP := "http://" + e.Clients[0].Addr().String()
 	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := servertest.StartProxyUnready(t, server.Config{
-		Endpoints:   []string{etcdEP},
-		ListenAddr:  "127.0.0.1:0",
-		MetricsAddr: "127.0.0.1:0",
-		Logger:      zaptest.NewLogger(t),
-	})
+	p := servertest.StartProxyUnready(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{etcdEP}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.MetricsAddr = "127.0.0.1:0"
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 	proxyEP := "http://" + p.Addr()
 	mode := func() string {
 		for _, m := range []string{"cache", "loading", "forwarding", "fallback"} {

@@ -100,13 +100,13 @@ func (c *probeClient) waitReady() {
 func TestReadinessUpstreamLost(t *testing.T) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	r := testsupport.NewRelay(t, e.Clients[0].Addr().String())
-	p := servertest.StartProxy(t, server.Config{
-		Endpoints:             []string{r.Addr()},
-		ListenAddr:            "127.0.0.1:0",
-		MetricsAddr:           "127.0.0.1:0",
-		UpstreamLostThreshold: 300 * time.Millisecond,
-		Logger:                zaptest.NewLogger(t),
-	})
+	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{r.Addr()}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.MetricsAddr = "127.0.0.1:0"
+		cfg.UpstreamLostThreshold = 300 * time.Millisecond
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 	c := newProbeClient(t, p)
 	c.waitReady()
 
@@ -136,11 +136,11 @@ func TestReadinessDuringReload(t *testing.T) {
 	held := make(chan struct{}, 1)
 	gate := make(chan struct{})
 	var openGate sync.Once
-	p := servertest.StartProxy(t, server.Config{
-		Endpoints:   []string{"http://" + e.Clients[0].Addr().String()},
-		ListenAddr:  "127.0.0.1:0",
-		MetricsAddr: "127.0.0.1:0",
-		BeforeLoadPage: func() {
+	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{"http://" + e.Clients[0].Addr().String()}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.MetricsAddr = "127.0.0.1:0"
+		cfg.BeforeLoadPage = func() {
 			if hold.Load() {
 				select {
 				case held <- struct{}{}:
@@ -148,9 +148,9 @@ func TestReadinessDuringReload(t *testing.T) {
 				}
 				<-gate
 			}
-		},
-		Logger: zaptest.NewLogger(t),
-	})
+		}
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 	// Cleanups run last first: the gate opens before the proxy stops.
 	t.Cleanup(func() { openGate.Do(func() { close(gate) }) })
 	c := newProbeClient(t, p)
@@ -245,11 +245,11 @@ func TestStopEndsEndlessStreams(t *testing.T) {
 
 	t.Run("cached and coalesced", func(t *testing.T) {
 		e := servertest.StartEtcd(t, server.EmbeddedConfig{})
-		p := servertest.StartProxy(t, server.Config{
-			Endpoints:  []string{"http://" + e.Clients[0].Addr().String()},
-			ListenAddr: "127.0.0.1:0",
-			Logger:     zaptest.NewLogger(t),
-		})
+		p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+			cfg.Endpoints = []string{"http://" + e.Clients[0].Addr().String()}
+			cfg.ListenAddr = "127.0.0.1:0"
+			cfg.Logger = zaptest.NewLogger(t)
+		}))
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
 		streams := openStreams(t, ctx, rawConn(t, p.Addr()), true)
@@ -260,12 +260,13 @@ func TestStopEndsEndlessStreams(t *testing.T) {
 		e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 		etcdEP := "http://" + e.Clients[0].Addr().String()
 		enableRootAuth(t, rawConn(t, e.Clients[0].Addr().String()))
-		p := servertest.StartProxy(t, server.Config{
-			Endpoints:  []string{etcdEP},
-			ListenAddr: "127.0.0.1:0",
-			User:       "root", Password: "rootpw",
-			Logger: zaptest.NewLogger(t),
-		})
+		p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+			cfg.Endpoints = []string{etcdEP}
+			cfg.ListenAddr = "127.0.0.1:0"
+			cfg.User = "root"
+			cfg.Password = "rootpw"
+			cfg.Logger = zaptest.NewLogger(t)
+		}))
 		// A token etcd issued, not the proxy: the proxy cannot attribute
 		// it, so it relays the caller's streams to etcd.
 		ctx, cancel := context.WithCancel(context.Background())
@@ -290,12 +291,12 @@ func TestStopEndsEndlessStreams(t *testing.T) {
 // and StopNow, a second signal, cuts them at once.
 func TestStopNotReadyFirstThenStopNow(t *testing.T) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
-	p := servertest.StartProxy(t, server.Config{
-		Endpoints:   []string{"http://" + e.Clients[0].Addr().String()},
-		ListenAddr:  "127.0.0.1:0",
-		MetricsAddr: "127.0.0.1:0",
-		Logger:      zaptest.NewLogger(t),
-	})
+	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{"http://" + e.Clients[0].Addr().String()}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.MetricsAddr = "127.0.0.1:0"
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 	c := newProbeClient(t, p)
 	c.waitReady()
 	conn := rawConn(t, p.Addr())

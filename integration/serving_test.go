@@ -33,12 +33,12 @@ func TestReadinessFollowsTheLoad(t *testing.T) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	r := testsupport.NewRelay(t, e.Clients[0].Addr().String())
 	r.Cut()
-	p, err := server.Start(server.Config{
-		Endpoints:   []string{r.Addr()}, // host:port, no scheme
-		ListenAddr:  "127.0.0.1:0",
-		MetricsAddr: "127.0.0.1:0",
-		Logger:      zaptest.NewLogger(t),
-	})
+	p, err := server.Start(servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{r.Addr()} // host:port, no scheme
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.MetricsAddr = "127.0.0.1:0"
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -106,13 +106,13 @@ func TestTLSBothWays(t *testing.T) {
 
 	curl := startTLSEtcd(t, pki, dir)
 
-	p := servertest.StartProxy(t, server.Config{
-		Endpoints:   []string{curl.String()},
-		ListenAddr:  "127.0.0.1:0",
-		UpstreamTLS: transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: pki.clientCert, KeyFile: pki.clientKey},
-		ServerTLS:   transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca},
-		Logger:      zaptest.NewLogger(t),
-	})
+	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{curl.String()}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.UpstreamTLS = transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: pki.clientCert, KeyFile: pki.clientKey}
+		cfg.ServerTLS = transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca}
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 
 	cli := callerClient(t, "https://"+p.Addr(), "", "", pki.tlsConfig(t, pki.clientCert, pki.clientKey))
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)

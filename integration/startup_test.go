@@ -37,18 +37,18 @@ func TestWhileLoading(t *testing.T) {
 
 	pages := make(chan struct{}, 10)
 	release := make(chan struct{})
-	p, err := server.Start(server.Config{
-		Endpoints:    []string{server.EmbeddedEndpoint(e)},
-		ListenAddr:   "127.0.0.1:0",
-		MetricsAddr:  "127.0.0.1:0",
-		LoadPageSize: 2,
-		BeforeLoadPage: func() {
+	p, err := server.Start(servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{server.EmbeddedEndpoint(e)}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.MetricsAddr = "127.0.0.1:0"
+		cfg.LoadPageSize = 2
+		cfg.BeforeLoadPage = func() {
 			pages <- struct{}{}
 			if len(pages) == 2 { // hold the load on its second page
 				<-release
 			}
-		},
-	})
+		}
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -128,15 +128,15 @@ func TestCompactionRightAfterStart(t *testing.T) {
 	}
 	held, release := make(chan struct{}), make(chan struct{})
 	var once sync.Once
-	p := servertest.StartProxyUnready(t, server.Config{
-		Endpoints:   []string{server.EmbeddedEndpoint(e)},
-		ListenAddr:  "127.0.0.1:0",
-		MetricsAddr: "127.0.0.1:0",
-		Logger:      zaptest.NewLogger(t),
-		BeforeLoadPage: func() {
+	p := servertest.StartProxyUnready(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{server.EmbeddedEndpoint(e)}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.MetricsAddr = "127.0.0.1:0"
+		cfg.Logger = zaptest.NewLogger(t)
+		cfg.BeforeLoadPage = func() {
 			once.Do(func() { close(held); <-release })
-		},
-	})
+		}
+	}))
 	select {
 	case <-held:
 	case <-time.After(waitTimeout):

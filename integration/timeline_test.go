@@ -36,12 +36,12 @@ type timelineEnv struct {
 func newTimelineEnv(t *testing.T) *timelineEnv {
 	env := &timelineEnv{t: t, clientURL: "http://" + testsupport.FreeAddr(t), peerURL: "http://" + testsupport.FreeAddr(t)}
 	env.start(t.TempDir())
-	env.proxy = servertest.StartProxy(t, server.Config{
-		Endpoints:               []string{env.clientURL},
-		ListenAddr:              "127.0.0.1:0",
-		CompactionProbeInterval: 100 * time.Millisecond,
-		Logger:                  zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)),
-	})
+	env.proxy = servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{env.clientURL}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.CompactionProbeInterval = 100 * time.Millisecond
+		cfg.Logger = zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))
+	}))
 	return env
 }
 

@@ -75,6 +75,14 @@ func ParseConsistentReadFallback(v string) (ConsistentReadFallback, error) {
 	return 0, fmt.Errorf("%q: want forward or fail", v)
 }
 
+// String is the flag's value.
+func (f ConsistentReadFallback) String() string {
+	if f == FallbackFail {
+		return "fail"
+	}
+	return "forward"
+}
+
 // Follower is what the KV service needs of the upstream follower
 // (progress.Follower).
 type Follower interface {
@@ -117,21 +125,21 @@ type Config struct {
 	Logger   *zap.Logger
 	Metrics  *Metrics
 	// RevisionWait bounds the wait of a serializable read for a revision
-	// ahead of the store.
+	// ahead of the store (0: it goes to etcd at once).
 	RevisionWait time.Duration
 	// FreshnessTimeout bounds the wait of a linearizable read for proof
-	// that the store is fresh.
+	// that the store is fresh (0: it falls back at once).
 	FreshnessTimeout time.Duration
 	// ConsistentReadFallback is what a linearizable read does when
 	// freshness was not proven in time.
 	ConsistentReadFallback ConsistentReadFallback
-	// MaxForwardedReads bounds the Ranges in flight to etcd at once
-	// (DefaultMaxForwardedReads if 0), so that a reload cannot turn into a
-	// storm of forwarded reads.
+	// MaxForwardedReads bounds the Ranges in flight to etcd at once (at
+	// least 1), so that a reload cannot turn into a storm of forwarded
+	// reads.
 	MaxForwardedReads int
 	// MaxCachedReadBytes bounds the bytes of responses served from the
 	// store that are being built and handed to gRPC at once
-	// (DefaultMaxCachedReadBytes if 0; negative: no bound). Beyond it,
+	// (0: no bound). Beyond it,
 	// reads wait for room, as forwarded reads wait for a slot.
 	MaxCachedReadBytes int64
 	// Inconsistent, if set, reports that every read must go to etcd: the
@@ -184,18 +192,6 @@ var _ pb.KVServer = (*Server)(nil)
 func New(cfg Config) *Server {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
-	}
-	if cfg.RevisionWait <= 0 {
-		cfg.RevisionWait = DefaultRevisionWait
-	}
-	if cfg.MaxForwardedReads <= 0 {
-		cfg.MaxForwardedReads = DefaultMaxForwardedReads
-	}
-	if cfg.FreshnessTimeout <= 0 {
-		cfg.FreshnessTimeout = DefaultFreshnessTimeout
-	}
-	if cfg.MaxCachedReadBytes == 0 {
-		cfg.MaxCachedReadBytes = DefaultMaxCachedReadBytes
 	}
 	if cfg.Inconsistent == nil {
 		cfg.Inconsistent = func() bool { return false }

@@ -210,10 +210,14 @@ func newRouteEnv(t *testing.T) *routeEnv {
 		reg:      prometheus.NewRegistry(),
 	}
 	e.cfg = Config{
-		Store:    store,
-		Follower: e.follower,
-		Upstream: e.upstream,
-		Metrics:  NewMetrics(e.reg),
+		Store:              store,
+		Follower:           e.follower,
+		Upstream:           e.upstream,
+		Metrics:            NewMetrics(e.reg),
+		RevisionWait:       DefaultRevisionWait,
+		FreshnessTimeout:   DefaultFreshnessTimeout,
+		MaxForwardedReads:  DefaultMaxForwardedReads,
+		MaxCachedReadBytes: DefaultMaxCachedReadBytes,
 	}
 	return e
 }

@@ -19,6 +19,11 @@ import (
 // uses for its watch cache.
 const DefaultLoadPageSize = 10000
 
+// DefaultCompactionProbeInterval is how often etcd's compaction revision
+// is checked: compactions by other clients, and etcd's auto-compaction,
+// are mirrored within about this long.
+const DefaultCompactionProbeInterval = time.Second
+
 // Config configures a Follower.
 type Config struct {
 	// Client is the upstream etcd client.
@@ -29,10 +34,11 @@ type Config struct {
 	Logger *zap.Logger
 	// Metrics; none are exported if nil.
 	Metrics *Metrics
-	// LoadPageSize is the limit of each page of the initial load.
+	// LoadPageSize is the limit of each page of the initial load (at
+	// least 1).
 	LoadPageSize int64
 	// CompactionProbeInterval is how often etcd's compaction revision is
-	// checked (one count-only single-key Range); 0 means one second.
+	// checked (one count-only single-key Range; more than 0).
 	CompactionProbeInterval time.Duration
 	// BeforeLoadPage, if set, is called before each page of a load. Only
 	// tests set it, to hold a load in progress.
@@ -105,12 +111,6 @@ type Follower struct {
 func New(cfg Config) *Follower {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
-	}
-	if cfg.LoadPageSize <= 0 {
-		cfg.LoadPageSize = DefaultLoadPageSize
-	}
-	if cfg.CompactionProbeInterval <= 0 {
-		cfg.CompactionProbeInterval = time.Second
 	}
 	conn := cfg.Client.ActiveConnection()
 	f := &Follower{

@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"fmt"
+	"math"
 	"os"
 	"path"
 	"time"
@@ -52,7 +53,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		grpc.ChainStreamInterceptor(stream...),
 		grpc.MaxRecvMsgSize(s.cfg.MaxRequestBytes + grpcOverheadBytes),
 		grpc.MaxSendMsgSize(maxSendBytes),
-		grpc.MaxConcurrentStreams(s.cfg.MaxConcurrentStreams),
+		grpc.MaxConcurrentStreams(s.maxConcurrentStreams()),
 		// Watch events and Range responses from the cache go out
 		// pre-encoded (an event once for every watcher, a key-value
 		// once for every read); every other message is gRPC's proto
@@ -127,6 +128,15 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	// Every method's series exist from the start, at zero.
 	serverMetrics.initialize(gs)
 	return gs, nil
+}
+
+// maxConcurrentStreams is the bound of each client connection's streams:
+// MaxConcurrentStreams, or none for 0.
+func (s *Server) maxConcurrentStreams() uint32 {
+	if s.cfg.MaxConcurrentStreams == 0 {
+		return math.MaxUint32
+	}
+	return s.cfg.MaxConcurrentStreams
 }
 
 // newClusterServer follows grpc-proxy: with --resolver-prefix, MemberList

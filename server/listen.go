@@ -86,7 +86,7 @@ func (s *Server) newHTTPServer(h http.Handler) *http.Server {
 		ReadHeaderTimeout: 5 * time.Minute,
 		ErrorLog:          log.New(io.Discard, "", 0),
 		// net/http replaces a limit above math.MaxInt32 with its default.
-		HTTP2: &http.HTTP2Config{MaxConcurrentStreams: int(min(s.cfg.MaxConcurrentStreams, math.MaxInt32))},
+		HTTP2: &http.HTTP2Config{MaxConcurrentStreams: int(min(s.maxConcurrentStreams(), math.MaxInt32))},
 	}
 }
 

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math"
 	"net"
 	"net/http"
 	"strconv"
@@ -33,230 +32,6 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
 )
-
-// etcd's gRPC server limits and defaults (server/embed/config.go,
-// api/v3rpc/grpc.go), and the proxy's own.
-const (
-	defaultMaxRequestBytes        = 1.5 * 1024 * 1024
-	grpcOverheadBytes             = 512 * 1024
-	maxSendBytes                  = math.MaxInt32
-	defaultKeepAliveMinTime       = 5 * time.Second
-	defaultKeepAliveInterval      = 2 * time.Hour
-	defaultKeepAliveTimeout       = 20 * time.Second
-	defaultDialTimeout            = 5 * time.Second
-	defaultAuthTokenCheckInterval = 5 * time.Second
-	gracefulStopTimeout           = 10 * time.Second
-	defaultMemberName             = "etcd-snapcache"
-	// defaultDialKeepAliveTime: grpc-proxy pings etcd never by default;
-	// the proxy pings every 30 s, because a silently dead connection
-	// would leave its cache stale without any error.
-	defaultDialKeepAliveTime = 30 * time.Second
-)
-
-// Readiness.
-const (
-	// defaultUpstreamLostThreshold is how long the upstream watch may be
-	// down before the proxy reports itself not ready: longer than a watch
-	// takes to resume after an etcd leader election (an election timeout
-	// of 1 s, and the follower's retry pauses of up to 2 s), shorter than
-	// the 10 s period of a Kubernetes readiness probe, so that a lost
-	// upstream is reported within one probe.
-	defaultUpstreamLostThreshold = 5 * time.Second
-	// readinessInterval is how often the gRPC health service is brought in
-	// line with the readiness checks.
-	readinessInterval = 100 * time.Millisecond
-)
-
-// Metrics levels, etcd's --metrics.
-const (
-	MetricsBasic     = "basic"
-	MetricsExtensive = "extensive" // adds grpc_server_handling_seconds
-)
-
-// Config configures a Server. Durations and limits follow one rule: 0 is
-// the default, a negative value disables.
-type Config struct {
-	// Endpoints of the upstream etcd cluster, as host:port or URLs.
-	Endpoints []string
-	// EndpointsAutoSyncInterval makes the upstream client sync its
-	// endpoints from etcd's member list (0: never).
-	EndpointsAutoSyncInterval time.Duration
-	// ListenAddr is where the etcd API (gRPC) and the HTTP endpoints are
-	// served (host:port; port 0 picks).
-	ListenAddr string
-	// MetricsAddr also serves the HTTP endpoints: a URL (http:// or
-	// https://, served with the serving TLS) or host:port; empty: none.
-	MetricsAddr string
-	// AdvertiseClientURLs are what MemberList returns as the proxy's
-	// client URLs. Nil defaults to the listen address with the serving
-	// scheme; with ForwardMemberList, MemberList is etcd's.
-	AdvertiseClientURLs []string
-	ForwardMemberList   bool
-	// ResolverPrefix and ResolverTTL register the proxy under the prefix in
-	// etcd, with a lease of that TTL (seconds), and make MemberList list
-	// the proxies registered there, as grpc-proxy's --resolver-prefix.
-	ResolverPrefix string
-	ResolverTTL    int
-	// ServerTLS secures the client port when CertFile is set (with
-	// CRLFile, CipherSuites and the TLS versions); a TrustedCAFile makes it
-	// require and verify client certificates.
-	ServerTLS transport.TLSInfo
-	// AutoTLS serves TLS with a self-signed certificate, kept under
-	// DataDir, when ServerTLS has none; SelfSignedCertValidity is its
-	// validity in years (1 if 0).
-	AutoTLS                bool
-	DataDir                string
-	SelfSignedCertValidity uint
-	// User and Password are the proxy's own identity in etcd, for its load,
-	// watch, probes, consistency check and auth mirror (etcdctl's --user
-	// and --password). Requests forwarded for callers never carry it.
-	User, Password string
-	// ClientCertAuth is etcd's --client-cert-auth, and must match the
-	// upstream's: a caller without a token is the user its verified client
-	// certificate names (the proxy must then serve TLS with a trusted CA).
-	// Without it, a certificate's common name means nothing, as in front
-	// of an etcd without the flag.
-	ClientCertAuth bool
-	// AuthToken is the upstream's --auth-token: "simple" (or empty), or
-	// "jwt,pub-key=<file>,sign-method=<alg>", whose public key lets the
-	// proxy verify the JWTs etcd issued and serve their reads from the
-	// cache. A JWT the proxy cannot verify is forwarded with its request.
-	AuthToken string
-	// AuthTokenCheckInterval is how long the proxy trusts a token etcd
-	// accepted before showing it to etcd again; each showing is a use that
-	// keeps a simple token alive in etcd (default 5 s, well under etcd's
-	// --auth-token-ttl of 300 s).
-	AuthTokenCheckInterval time.Duration
-	// UpstreamTLS secures the connection to etcd when any file is set;
-	// InsecureSkipTLSVerify skips verifying etcd's certificate.
-	UpstreamTLS           transport.TLSInfo
-	InsecureSkipTLSVerify bool
-	// DialTimeout bounds the first connection to etcd.
-	DialTimeout time.Duration
-	// DialKeepAliveTime and DialKeepAliveTimeout are the upstream
-	// connection's keepalive pings (defaults 30 s and 20 s);
-	// PermitWithoutStream pings without open streams too.
-	DialKeepAliveTime, DialKeepAliveTimeout time.Duration
-	PermitWithoutStream                     bool
-	// MaxSendBytes and MaxRecvBytes bound the messages sent to and received
-	// from etcd (default: unlimited, so that etcd judges request sizes).
-	MaxSendBytes, MaxRecvBytes int
-	// MaxConcurrentStreams bounds each client connection's streams
-	// (default: unlimited, as etcd).
-	MaxConcurrentStreams uint32
-	// GRPCKeepAliveMinTime, GRPCKeepAliveInterval and GRPCKeepAliveTimeout
-	// are the client port's keepalive policy (etcd's 5 s, 2 h, 20 s).
-	GRPCKeepAliveMinTime, GRPCKeepAliveInterval, GRPCKeepAliveTimeout time.Duration
-	// EnablePprof serves /debug/pprof/ on the client port.
-	EnablePprof bool
-	// EnableGRPCLogging logs every request and response.
-	EnableGRPCLogging bool
-	// Metrics is MetricsBasic (default) or MetricsExtensive.
-	Metrics string
-	// GRPCServerOptions are added to the gRPC server's options (tests use
-	// them to add interceptors).
-	GRPCServerOptions []grpc.ServerOption
-
-	// BTreeDegree of the key index (revtree.DefaultDegree if 0).
-	BTreeDegree int
-	// MaxHistoryBytes bounds the memory of retained history on top of the
-	// live keyspace (--max-history-bytes): past revisions' snapshots and
-	// events, and the flattened-range cache. Past it, the oldest revisions
-	// are dropped; reads of them go to etcd, watches from them catch up
-	// from etcd. revtree.DefaultMaxHistoryBytes if 0; negative: unbounded.
-	MaxHistoryBytes int64
-	// RevisionWait bounds how long a serializable read ahead of the cache
-	// waits for it.
-	RevisionWait time.Duration
-	// FreshnessTimeout bounds how long a linearizable read waits for proof
-	// that the cache is fresh (kvproxy.DefaultFreshnessTimeout if 0).
-	FreshnessTimeout time.Duration
-	// MaxForwardedReads bounds the reads in flight to etcd at once.
-	MaxForwardedReads int
-	// MaxCachedReadBytes bounds the bytes of responses served from the
-	// cache in flight at once (kvproxy.DefaultMaxCachedReadBytes if 0;
-	// negative: no bound).
-	MaxCachedReadBytes int64
-	// UpstreamLostThreshold is how long the upstream watch may be down
-	// before /readyz and the gRPC health service report the proxy not
-	// ready (defaultUpstreamLostThreshold if 0; negative: never).
-	UpstreamLostThreshold time.Duration
-	// BeforeLoadPage is called before each page of a load; tests only.
-	BeforeLoadPage func()
-	// ConsistencyCheckInterval is how often the cache is checked against
-	// etcd (hashcheck.DefaultInterval if 0; negative disables).
-	ConsistencyCheckInterval time.Duration
-	// ConsistentReadFallback is what a linearizable read does when its
-	// freshness was not proven in time: go to etcd, or fail with
-	// Unavailable (--consistent-read-fallback).
-	ConsistentReadFallback kvproxy.ConsistentReadFallback
-	// CompactionProbeInterval is how often etcd's compaction revision is
-	// checked.
-	CompactionProbeInterval time.Duration
-	// LoadRetainedHistory replays etcd's retained history at start.
-	LoadRetainedHistory bool
-	// LoadPageSize is the page size of the initial load.
-	LoadPageSize int64
-	// MaxRequestBytes is etcd's --max-request-bytes of the upstream: the
-	// largest request accepted (plus gRPC overhead, as etcd) and the size
-	// at which fragmenting watchers' responses are split. Default 1.5 MiB.
-	MaxRequestBytes int
-	// WatchProgressNotifyInterval, if set, is the interval of periodic
-	// progress notifications to idle progress_notify watchers; if 0 they
-	// follow etcd's own interval.
-	WatchProgressNotifyInterval time.Duration
-
-	Logger *zap.Logger
-}
-
-// withDefaults fills in the defaults of zero fields, and turns negative
-// ones (disabled) into the zero their consumers read as disabled.
-func (cfg Config) withDefaults() Config {
-	orDefault := func(d *time.Duration, def time.Duration) {
-		switch {
-		case *d == 0:
-			*d = def
-		case *d < 0:
-			*d = 0
-		}
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = zap.NewNop()
-	}
-	orDefault(&cfg.DialTimeout, defaultDialTimeout)
-	orDefault(&cfg.AuthTokenCheckInterval, defaultAuthTokenCheckInterval)
-	orDefault(&cfg.DialKeepAliveTime, defaultDialKeepAliveTime)
-	orDefault(&cfg.DialKeepAliveTimeout, defaultKeepAliveTimeout)
-	orDefault(&cfg.GRPCKeepAliveMinTime, defaultKeepAliveMinTime)
-	orDefault(&cfg.GRPCKeepAliveInterval, defaultKeepAliveInterval)
-	orDefault(&cfg.GRPCKeepAliveTimeout, defaultKeepAliveTimeout)
-	orDefault(&cfg.UpstreamLostThreshold, defaultUpstreamLostThreshold)
-	if cfg.FreshnessTimeout <= 0 {
-		cfg.FreshnessTimeout = kvproxy.DefaultFreshnessTimeout
-	}
-	if cfg.MaxRequestBytes <= 0 {
-		cfg.MaxRequestBytes = defaultMaxRequestBytes
-	}
-	if cfg.MaxSendBytes <= 0 {
-		cfg.MaxSendBytes = math.MaxInt32
-	}
-	if cfg.MaxRecvBytes <= 0 {
-		cfg.MaxRecvBytes = defaultMaxRecvBytes
-	}
-	if cfg.MaxConcurrentStreams == 0 {
-		cfg.MaxConcurrentStreams = math.MaxUint32
-	}
-	if cfg.SelfSignedCertValidity == 0 {
-		cfg.SelfSignedCertValidity = 1
-	}
-	if cfg.Metrics == "" {
-		cfg.Metrics = MetricsBasic
-	}
-	if cfg.MaxHistoryBytes == 0 {
-		cfg.MaxHistoryBytes = revtree.DefaultMaxHistoryBytes
-	}
-	return cfg
-}
 
 // Server is a running etcd-snapcache.
 type Server struct {
@@ -306,9 +81,11 @@ type Server struct {
 // Start dials etcd, starts following it and serves until Stop. It returns
 // once the listeners are bound; the cache loads in the background.
 func Start(cfg Config) (*Server, error) {
-	cfg = cfg.withDefaults()
-	if len(cfg.Endpoints) == 0 {
-		return nil, errors.New("no upstream etcd endpoints")
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
 	}
 	s := &Server{cfg: cfg, lg: cfg.Logger, errc: make(chan error, 4), registry: prometheus.NewRegistry(), now: make(chan struct{})}
 	s.stopped, s.stopStream = context.WithCancel(context.Background())
@@ -433,9 +210,7 @@ func Start(cfg Config) (*Server, error) {
 	}
 	s.run(func() { s.keepAlives.run() })
 	s.run(func() { s.asProxyKeepAlives.run() })
-	if cfg.ConsistencyCheckInterval >= 0 {
-		s.run(func() { s.checker.Run(ctx) })
-	}
+	s.run(func() { s.checker.Run(ctx) })
 	s.run(func() { s.follower.Run(ctx) })
 	s.run(func() { s.followReadiness(ctx) })
 	ok = true
@@ -475,7 +250,7 @@ func (s *Server) dialSelf() (*clientv3.Client, error) {
 		host = "127.0.0.1"
 	}
 	scheme := "http"
-	cfg := clientv3.Config{DialTimeout: defaultDialTimeout, Logger: s.lg.Named("self")}
+	cfg := clientv3.Config{DialTimeout: connectTimeout, Logger: s.lg.Named("self")}
 	if s.tls != nil {
 		scheme = "https"
 		tlsCfg, err := s.tls.ClientConfig()

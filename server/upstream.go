@@ -3,7 +3,6 @@ package server
 import (
 	"crypto/tls"
 	"fmt"
-	"math"
 	"time"
 
 	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
@@ -77,15 +76,15 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, passw
 			// etcd sends (a catch-up watch response batches many
 			// revisions; a forwarded Range may be any size).
 			grpc.WithDefaultCallOptions(
-				grpc.MaxCallRecvMsgSize(s.cfg.MaxRecvBytes),
-				grpc.MaxCallSendMsgSize(s.cfg.MaxSendBytes)),
+				grpc.MaxCallRecvMsgSize(orNoBound(s.cfg.MaxRecvBytes)),
+				grpc.MaxCallSendMsgSize(orNoBound(s.cfg.MaxSendBytes))),
 			// Reconnect within about a second of etcd coming back, even
 			// after a long outage (grpc-go's default backoff reaches 120 s,
 			// and a 5 s cap still left the proxy 3-4 s behind a restarted
 			// etcd): while disconnected the cache is stale.
 			grpc.WithConnectParams(grpc.ConnectParams{
 				Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second},
-				MinConnectTimeout: defaultDialTimeout,
+				MinConnectTimeout: connectTimeout,
 			}),
 			grpc.WithChainUnaryInterceptor(append(unaryFirst, append([]grpc.UnaryClientInterceptor{forwardUnaryMetadata, clientMetrics.UnaryClientInterceptor()}, unary...)...)...),
 			grpc.WithChainStreamInterceptor(append(streamFirst, forwardStreamMetadata, clientMetrics.StreamClientInterceptor())...),
@@ -96,6 +95,3 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, passw
 	}
 	return client, nil
 }
-
-// defaultMaxRecvBytes is grpc-proxy's --max-recv-bytes default: no limit.
-const defaultMaxRecvBytes = math.MaxInt32

@@ -142,10 +142,10 @@ func (e *etcdProcess) rssBytes() int64 {
 // waits until it has loaded the keyspace.
 func startProxy(tb testing.TB, endpoint string, configure func(*server.Config)) *server.Server {
 	tb.Helper()
-	cfg := server.Config{
-		Endpoints:  []string{endpoint},
-		ListenAddr: "127.0.0.1:0",
-	}
+	cfg := servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{endpoint}
+		cfg.ListenAddr = "127.0.0.1:0"
+	})
 	if configure != nil {
 		configure(&cfg)
 	}

@@ -26,12 +26,12 @@ import (
 // naming the key once the proxy's cache is corrupted.
 func TestCheckCommand(t *testing.T) {
 	etcd := server.EmbeddedEndpoint(servertest.StartEtcd(t, server.EmbeddedConfig{}))
-	p := servertest.StartProxy(t, server.Config{
-		Endpoints:                []string{etcd},
-		ListenAddr:               "127.0.0.1:0",
-		ConsistencyCheckInterval: -1, // the proxy must not repair itself here
-		Logger:                   zaptest.NewLogger(t),
-	})
+	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{etcd}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.ConsistencyCheckInterval = 0 // never: the proxy must not repair itself here
+		cfg.Logger = zaptest.NewLogger(t)
+	}))
 
 	client, err := clientv3.New(clientv3.Config{Endpoints: []string{etcd}, DialTimeout: 5 * time.Second})
 	if err != nil {

@@ -101,7 +101,7 @@ func TestServeTakesEtcdE2EProxyFlags(t *testing.T) {
 }
 
 // TestServeMaxHistoryBytes: --max-history-bytes reaches the server as a
-// byte count; not given, the default; 0, unbounded (the server's negative).
+// byte count; not given, the default; 0, unbounded (the server's 0 too).
 func TestServeMaxHistoryBytes(t *testing.T) {
 	for _, tc := range []struct {
 		args []string
@@ -109,7 +109,7 @@ func TestServeMaxHistoryBytes(t *testing.T) {
 	}{
 		{nil, revtree.DefaultMaxHistoryBytes},
 		{[]string{"--max-history-bytes", "1048576"}, 1 << 20},
-		{[]string{"--max-history-bytes=0"}, -1},
+		{[]string{"--max-history-bytes=0"}, 0},
 	} {
 		app := newApp()
 		var cfg server.Config

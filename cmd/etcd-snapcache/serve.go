@@ -23,10 +23,7 @@ import (
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	"go.etcd.io/etcd/server/v3/embed"
 
-	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
-	"github.com/etcd-snapcache/etcd-snapcache/progress"
-	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
 )
@@ -42,6 +39,7 @@ const (
 // serveCommand takes every flag of `etcd grpc-proxy start`, with its name,
 // forms and meaning, so that a grpc-proxy command line works unchanged.
 func serveCommand() *cli.Command {
+	d := server.DefaultConfig()
 	return &cli.Command{
 		Name:  "serve",
 		Usage: "serve the etcd v3 API in front of an etcd cluster (or of an embedded etcd)",
@@ -63,21 +61,21 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "cert", Category: catUpstream, Usage: "client certificate for the upstream (a common name is allowed)"},
 			&cli.StringFlag{Name: "key", Category: catUpstream, Usage: "client key for the upstream"},
 			&cli.BoolFlag{Name: "insecure-skip-tls-verify", Category: catUpstream, Usage: "skip verifying the upstream's TLS certificate (testing only)"},
-			&cli.DurationFlag{Name: "dial-timeout", Category: catUpstream, Value: 5 * time.Second, Usage: "timeout of the first connection to the upstream"},
-			&cli.DurationFlag{Name: "dial-keepalive-time", Category: catUpstream, Value: 30 * time.Second,
+			&cli.DurationFlag{Name: "dial-timeout", Category: catUpstream, Value: d.DialTimeout, Usage: "timeout of the first connection to the upstream (0: none)"},
+			&cli.DurationFlag{Name: "dial-keepalive-time", Category: catUpstream, Value: d.DialKeepAliveTime,
 				Usage: "keepalive ping interval of the upstream connection (0 disables; grpc-proxy's default is 0, the proxy's 30s keeps a dead connection from leaving the cache stale)"},
-			&cli.DurationFlag{Name: "dial-keepalive-timeout", Category: catUpstream, Value: 20 * time.Second, Usage: "keepalive timeout of the upstream connection"},
+			&cli.DurationFlag{Name: "dial-keepalive-timeout", Category: catUpstream, Value: d.DialKeepAliveTimeout, Usage: "keepalive timeout of the upstream connection"},
 			&cli.BoolFlag{Name: "permit-without-stream", Category: catUpstream, Usage: "send keepalive pings to the upstream even without open streams"},
-			&cli.IntFlag{Name: "max-send-bytes", Category: catUpstream, Value: math.MaxInt32,
+			&cli.IntFlag{Name: "max-send-bytes", Category: catUpstream, Value: d.MaxSendBytes,
 				Usage: "largest message sent to the upstream (grpc-proxy's default is 1.5 MiB; unlimited lets etcd judge and answer request sizes itself)"},
-			&cli.IntFlag{Name: "max-recv-bytes", Category: catUpstream, Value: math.MaxInt32, Usage: "largest message received from the upstream"},
+			&cli.IntFlag{Name: "max-recv-bytes", Category: catUpstream, Value: d.MaxRecvBytes, Usage: "largest message received from the upstream (0: no bound)"},
 
-			&cli.StringFlag{Name: "listen-addr", Category: catServing, Value: "127.0.0.1:23790", Usage: "address to serve the etcd API and the HTTP endpoints on"},
+			&cli.StringFlag{Name: "listen-addr", Category: catServing, Value: d.ListenAddr, Usage: "address to serve the etcd API and the HTTP endpoints on"},
 			&cli.StringSliceFlag{Name: "advertise-client-url", Category: catServing,
 				Usage: "client URL MemberList returns for the proxy (default: the listen address); explicitly empty: MemberList is etcd's"},
 			&cli.StringFlag{Name: "metrics-addr", Category: catServing,
 				Usage: "also serve the HTTP endpoints here: http://host:port, https://host:port (with the serving TLS) or host:port; empty: not"},
-			&cli.StringFlag{Name: "metrics", Category: catServing, Value: server.MetricsBasic,
+			&cli.StringFlag{Name: "metrics", Category: catServing, Value: d.Metrics,
 				Usage: "'basic' or 'extensive' (adds grpc_server_handling_seconds), as etcd's --metrics"},
 			&cli.StringFlag{Name: "cert-file", Category: catServing, Usage: "serve TLS with this certificate"},
 			&cli.StringFlag{Name: "key-file", Category: catServing, Usage: "key of --cert-file"},
@@ -85,22 +83,22 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "client-crl-file", Category: catServing, Usage: "refuse client certificates this revocation list revokes (with serving TLS; ignored without, as grpc-proxy)"},
 			&cli.BoolFlag{Name: "client-cert-auth", Category: catServing,
 				Usage: "etcd's --client-cert-auth, set as the upstream sets it: a caller without a token is the user its verified client certificate names (needs --trusted-ca-file)"},
-			&cli.StringFlag{Name: "auth-token", Category: catServing, Value: "simple",
+			&cli.StringFlag{Name: "auth-token", Category: catServing, Value: d.AuthToken,
 				Usage: "the upstream's --auth-token: 'simple', or 'jwt,pub-key=<file>,sign-method=<alg>' to verify etcd's JWTs and serve their reads from the cache"},
-			&cli.DurationFlag{Name: "auth-token-check-interval", Category: catServing, Value: 5 * time.Second,
+			&cli.DurationFlag{Name: "auth-token-check-interval", Category: catServing, Value: d.AuthTokenCheckInterval,
 				Usage: "how long a token etcd accepted is trusted before it is shown to etcd again (each showing keeps a simple token alive; keep it well under etcd's --auth-token-ttl)"},
 			&cli.BoolFlag{Name: "auto-tls", Category: catServing, Usage: "serve TLS with a generated self-signed certificate, kept in --data-dir"},
-			&cli.UintFlag{Name: "self-signed-cert-validity", Category: catServing, Value: 1, Usage: "validity of the --auto-tls certificate, in years"},
+			&cli.UintFlag{Name: "self-signed-cert-validity", Category: catServing, Value: d.SelfSignedCertValidity, Usage: "validity of the --auto-tls certificate, in years"},
 			&cli.StringSliceFlag{Name: "listen-cipher-suites", Category: catServing, Usage: "TLS cipher suites served (empty: Go's)"},
 			&cli.StringFlag{Name: "tls-min-version", Category: catServing, Value: string(tlsutil.TLSVersion12), Usage: "minimum TLS version served: TLS1.2 or TLS1.3"},
 			&cli.StringFlag{Name: "tls-max-version", Category: catServing, Value: string(tlsutil.TLSVersionDefault), Usage: "maximum TLS version served: TLS1.2 or TLS1.3 (empty: Go's)"},
-			&cli.UintFlag{Name: "max-concurrent-streams", Category: catServing, Value: math.MaxUint32, Usage: "most concurrent streams of one client connection"},
-			&cli.DurationFlag{Name: "grpc-keepalive-min-time", Category: catServing, Value: 5 * time.Second, Usage: "least interval a client may ping at"},
-			&cli.DurationFlag{Name: "grpc-keepalive-interval", Category: catServing, Value: 2 * time.Hour, Usage: "interval of the server's pings to clients (0 disables)"},
-			&cli.DurationFlag{Name: "grpc-keepalive-timeout", Category: catServing, Value: 20 * time.Second, Usage: "wait for a ping's answer before closing the connection (0 disables)"},
+			&cli.UintFlag{Name: "max-concurrent-streams", Category: catServing, Value: uint(d.MaxConcurrentStreams), Usage: "most concurrent streams of one client connection (0: no bound)"},
+			&cli.DurationFlag{Name: "grpc-keepalive-min-time", Category: catServing, Value: d.GRPCKeepAliveMinTime, Usage: "least interval a client may ping at (0: gRPC's)"},
+			&cli.DurationFlag{Name: "grpc-keepalive-interval", Category: catServing, Value: d.GRPCKeepAliveInterval, Usage: "interval of the server's pings to clients (0 disables)"},
+			&cli.DurationFlag{Name: "grpc-keepalive-timeout", Category: catServing, Value: d.GRPCKeepAliveTimeout, Usage: "wait for a ping's answer before closing the connection (0 disables)"},
 			&cli.StringFlag{Name: "resolver-prefix", Category: catServing, Usage: "register the proxy in etcd under this prefix; MemberList lists the proxies registered there"},
 			&cli.IntFlag{Name: "resolver-ttl", Category: catServing, Usage: "TTL in seconds of the registration under --resolver-prefix"},
-			&cli.IntFlag{Name: "max-request-bytes", Category: catServing, Value: 1.5 * 1024 * 1024,
+			&cli.IntFlag{Name: "max-request-bytes", Category: catServing, Value: d.MaxRequestBytes,
 				Usage: "the upstream's --max-request-bytes: the largest request accepted, and where fragmenting watch responses are split"},
 			&cli.DurationFlag{Name: "watch-progress-notify-interval", Category: catServing, Value: watchproxy.DefaultProgressNotifyInterval,
 				Usage: "interval of progress notifications to idle watchers that asked for them; not given: etcd's own interval, followed through an idle upstream watch (this default while etcd sends none)"},
@@ -119,24 +117,24 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "embedded-client-url", Category: catEmbedded, Value: "http://127.0.0.1:23792", Usage: "client URL of the embedded etcd"},
 			&cli.StringFlag{Name: "embedded-peer-url", Category: catEmbedded, Value: "http://127.0.0.1:23793", Usage: "peer URL of the embedded etcd"},
 
-			&cli.IntFlag{Name: "btree-degree", Category: catCache, Value: revtree.DefaultDegree, Usage: "B-tree degree of the key index (scan speed vs the nodes a revision that creates a key copies)"},
-			&cli.Int64Flag{Name: "max-history-bytes", Category: catCache, Value: revtree.DefaultMaxHistoryBytes,
+			&cli.IntFlag{Name: "btree-degree", Category: catCache, Value: d.BTreeDegree, Usage: "B-tree degree of the key index (scan speed vs the nodes a revision that creates a key copies)"},
+			&cli.Int64Flag{Name: "max-history-bytes", Category: catCache, Value: d.MaxHistoryBytes,
 				Usage: "memory retained history may use on top of the live keyspace (past revisions' snapshots and events, flattened ranges); past it the oldest revisions are dropped and their reads go to etcd (0: unbounded)"},
-			&cli.DurationFlag{Name: "revision-wait", Category: catCache, Value: kvproxy.DefaultRevisionWait,
+			&cli.DurationFlag{Name: "revision-wait", Category: catCache, Value: d.RevisionWait,
 				Usage: "how long a read at a revision the cache has not reached waits for it before going to etcd"},
-			&cli.DurationFlag{Name: "consistent-read-timeout", Category: catCache, Value: kvproxy.DefaultFreshnessTimeout,
+			&cli.DurationFlag{Name: "consistent-read-timeout", Category: catCache, Value: d.FreshnessTimeout,
 				Usage: "how long a linearizable read waits for proof that the cache is fresh"},
-			&cli.StringFlag{Name: "consistent-read-fallback", Category: catCache, Value: "forward",
+			&cli.StringFlag{Name: "consistent-read-fallback", Category: catCache, Value: d.ConsistentReadFallback.String(),
 				Usage: "what a linearizable read does when freshness is not proven in time: 'forward' it to etcd, or 'fail' with Unavailable (under overload, falling back multiplies etcd's load)"},
-			&cli.IntFlag{Name: "max-forwarded-reads", Category: catCache, Value: kvproxy.DefaultMaxForwardedReads,
+			&cli.IntFlag{Name: "max-forwarded-reads", Category: catCache, Value: d.MaxForwardedReads,
 				Usage: "most reads in flight to etcd at once (forwarded reads wait for a slot, then fail with Unavailable)"},
-			&cli.Int64Flag{Name: "max-cached-read-bytes", Category: catCache, Value: kvproxy.DefaultMaxCachedReadBytes,
+			&cli.Int64Flag{Name: "max-cached-read-bytes", Category: catCache, Value: d.MaxCachedReadBytes,
 				Usage: "most bytes of responses served from the cache in flight at once (reads wait for room, then fail with Unavailable; a larger one runs alone; 0 disables)"},
-			&cli.DurationFlag{Name: "consistency-check-interval", Category: catCache, Value: hashcheck.DefaultInterval,
+			&cli.DurationFlag{Name: "consistency-check-interval", Category: catCache, Value: d.ConsistencyCheckInterval,
 				Usage: "how often to compare a hash of the cache with etcd's at one revision; on a mismatch reads go to etcd until the reloaded cache passes (0 disables)"},
-			&cli.DurationFlag{Name: "compaction-probe-interval", Category: catCache, Value: time.Second,
+			&cli.DurationFlag{Name: "compaction-probe-interval", Category: catCache, Value: d.CompactionProbeInterval,
 				Usage: "how often to check etcd's compaction revision (finds auto-compaction and compactions by other clients)"},
-			&cli.Int64Flag{Name: "load-page-size", Category: catCache, Value: progress.DefaultLoadPageSize, Usage: "page size of the initial load"},
+			&cli.Int64Flag{Name: "load-page-size", Category: catCache, Value: d.LoadPageSize, Usage: "page size of the initial load"},
 			&cli.BoolFlag{Name: "load-retained-history", Category: catCache,
 				Usage: "at start, replay every revision etcd retains, so historical reads are served from memory right after a restart"},
 		},
@@ -278,10 +276,6 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 	if err != nil {
 		return server.Config{}, err
 	}
-	metrics := c.String("metrics")
-	if metrics != server.MetricsBasic && metrics != server.MetricsExtensive {
-		return server.Config{}, fmt.Errorf("--metrics %q: want basic or extensive", metrics)
-	}
 	if err := checkMetricsAddr(c.String("metrics-addr")); err != nil {
 		return server.Config{}, err
 	}
@@ -290,64 +284,59 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 	if forwardMembers {
 		advertise = nil
 	}
-	maxHistoryBytes := c.Int64("max-history-bytes")
-	switch {
-	case maxHistoryBytes < 0:
-		return server.Config{}, fmt.Errorf("--max-history-bytes %d: want a byte count, or 0 for no bound", maxHistoryBytes)
-	case maxHistoryBytes == 0:
-		maxHistoryBytes = -1 // the server's 0 is the default
-	}
 	if c.Bool("experimental-serializable-ordering") {
 		lg.Info("--experimental-serializable-ordering is ignored: serializable reads come from the cache, whose revision never goes back")
 	}
-	return server.Config{
-		Endpoints:                   endpoints,
-		EndpointsAutoSyncInterval:   c.Duration("endpoints-auto-sync-interval"),
-		ListenAddr:                  c.String("listen-addr"),
-		MetricsAddr:                 c.String("metrics-addr"),
-		AdvertiseClientURLs:         advertise,
-		ForwardMemberList:           forwardMembers,
-		ResolverPrefix:              c.String("resolver-prefix"),
-		ResolverTTL:                 c.Int("resolver-ttl"),
-		ServerTLS:                   serverTLS,
-		AutoTLS:                     c.Bool("auto-tls"),
-		DataDir:                     c.String("data-dir"),
-		SelfSignedCertValidity:      c.Uint("self-signed-cert-validity"),
-		User:                        user,
-		ClientCertAuth:              c.Bool("client-cert-auth"),
-		AuthToken:                   c.String("auth-token"),
-		AuthTokenCheckInterval:      disabledIfZero(c.Duration("auth-token-check-interval")),
-		Password:                    password,
-		UpstreamTLS:                 upstreamTLS,
-		InsecureSkipTLSVerify:       c.Bool("insecure-skip-tls-verify"),
-		DialTimeout:                 c.Duration("dial-timeout"),
-		DialKeepAliveTime:           disabledIfZero(c.Duration("dial-keepalive-time")),
-		DialKeepAliveTimeout:        disabledIfZero(c.Duration("dial-keepalive-timeout")),
-		PermitWithoutStream:         c.Bool("permit-without-stream"),
-		MaxSendBytes:                c.Int("max-send-bytes"),
-		MaxRecvBytes:                c.Int("max-recv-bytes"),
-		MaxConcurrentStreams:        uint32(min(c.Uint("max-concurrent-streams"), math.MaxUint32)),
-		GRPCKeepAliveMinTime:        disabledIfZero(c.Duration("grpc-keepalive-min-time")),
-		GRPCKeepAliveInterval:       disabledIfZero(c.Duration("grpc-keepalive-interval")),
-		GRPCKeepAliveTimeout:        disabledIfZero(c.Duration("grpc-keepalive-timeout")),
-		EnablePprof:                 c.Bool("enable-pprof"),
-		EnableGRPCLogging:           c.Bool("experimental-enable-grpc-logging"),
-		Metrics:                     metrics,
-		BTreeDegree:                 c.Int("btree-degree"),
-		MaxHistoryBytes:             maxHistoryBytes,
-		RevisionWait:                c.Duration("revision-wait"),
-		FreshnessTimeout:            c.Duration("consistent-read-timeout"),
-		ConsistentReadFallback:      fallback,
-		MaxForwardedReads:           c.Int("max-forwarded-reads"),
-		MaxCachedReadBytes:          noBoundIfZero(c.Int64("max-cached-read-bytes")),
-		ConsistencyCheckInterval:    disabledIfZero(c.Duration("consistency-check-interval")),
-		CompactionProbeInterval:     c.Duration("compaction-probe-interval"),
-		LoadRetainedHistory:         c.Bool("load-retained-history"),
-		LoadPageSize:                c.Int64("load-page-size"),
-		MaxRequestBytes:             c.Int("max-request-bytes"),
-		WatchProgressNotifyInterval: progressOverride(c),
-		Logger:                      lg,
-	}, nil
+	cfg := server.DefaultConfig()
+	cfg.Endpoints = endpoints
+	cfg.EndpointsAutoSyncInterval = c.Duration("endpoints-auto-sync-interval")
+	cfg.ListenAddr = c.String("listen-addr")
+	cfg.MetricsAddr = c.String("metrics-addr")
+	cfg.AdvertiseClientURLs = advertise
+	cfg.ForwardMemberList = forwardMembers
+	cfg.ResolverPrefix = c.String("resolver-prefix")
+	cfg.ResolverTTL = c.Int("resolver-ttl")
+	cfg.ServerTLS = serverTLS
+	cfg.AutoTLS = c.Bool("auto-tls")
+	cfg.DataDir = c.String("data-dir")
+	cfg.SelfSignedCertValidity = c.Uint("self-signed-cert-validity")
+	cfg.User, cfg.Password = user, password
+	cfg.ClientCertAuth = c.Bool("client-cert-auth")
+	cfg.AuthToken = c.String("auth-token")
+	cfg.AuthTokenCheckInterval = c.Duration("auth-token-check-interval")
+	cfg.UpstreamTLS = upstreamTLS
+	cfg.InsecureSkipTLSVerify = c.Bool("insecure-skip-tls-verify")
+	cfg.DialTimeout = c.Duration("dial-timeout")
+	cfg.DialKeepAliveTime = c.Duration("dial-keepalive-time")
+	cfg.DialKeepAliveTimeout = c.Duration("dial-keepalive-timeout")
+	cfg.PermitWithoutStream = c.Bool("permit-without-stream")
+	cfg.MaxSendBytes = c.Int("max-send-bytes")
+	cfg.MaxRecvBytes = c.Int("max-recv-bytes")
+	cfg.MaxConcurrentStreams = uint32(min(c.Uint("max-concurrent-streams"), math.MaxUint32))
+	cfg.GRPCKeepAliveMinTime = c.Duration("grpc-keepalive-min-time")
+	cfg.GRPCKeepAliveInterval = c.Duration("grpc-keepalive-interval")
+	cfg.GRPCKeepAliveTimeout = c.Duration("grpc-keepalive-timeout")
+	cfg.EnablePprof = c.Bool("enable-pprof")
+	cfg.EnableGRPCLogging = c.Bool("experimental-enable-grpc-logging")
+	cfg.Metrics = c.String("metrics")
+	cfg.BTreeDegree = c.Int("btree-degree")
+	cfg.MaxHistoryBytes = c.Int64("max-history-bytes")
+	cfg.RevisionWait = c.Duration("revision-wait")
+	cfg.FreshnessTimeout = c.Duration("consistent-read-timeout")
+	cfg.ConsistentReadFallback = fallback
+	cfg.MaxForwardedReads = c.Int("max-forwarded-reads")
+	cfg.MaxCachedReadBytes = c.Int64("max-cached-read-bytes")
+	cfg.ConsistencyCheckInterval = c.Duration("consistency-check-interval")
+	cfg.CompactionProbeInterval = c.Duration("compaction-probe-interval")
+	cfg.LoadRetainedHistory = c.Bool("load-retained-history")
+	cfg.LoadPageSize = c.Int64("load-page-size")
+	cfg.MaxRequestBytes = c.Int("max-request-bytes")
+	cfg.WatchProgressNotifyInterval = progressOverride(c)
+	cfg.Logger = lg
+	if err := cfg.Validate(); err != nil {
+		return server.Config{}, err
+	}
+	return cfg, nil
 }
 
 // progressOverride is the periodic progress interval when the flag is
@@ -358,24 +347,6 @@ func progressOverride(c *cli.Context) time.Duration {
 		return c.Duration("watch-progress-notify-interval")
 	}
 	return 0
-}
-
-// noBoundIfZero maps a flag's 0 (no bound) to the server's negative (its 0
-// means the default).
-func noBoundIfZero(n int64) int64 {
-	if n == 0 {
-		return -1
-	}
-	return n
-}
-
-// disabledIfZero maps a flag's 0 (disabled) to the server's negative (its
-// 0 means the default).
-func disabledIfZero(d time.Duration) time.Duration {
-	if d == 0 {
-		return -1
-	}
-	return d
 }
 
 // refuseUnsupported refuses the grpc-proxy flags that would change what

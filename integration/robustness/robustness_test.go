@@ -202,17 +202,19 @@ func newEnv(t *testing.T, lg *zap.Logger, opts options) *env {
 	}
 	// The relay holds the connections made during a cut (see faultFor).
 	en.relay = testsupport.NewRelay(t, e.Clients[0].Addr().String(), testsupport.HoldWhileCut())
-	cfg := server.Config{
-		Endpoints:               []string{"http://" + en.relay.Addr()},
-		ListenAddr:              "127.0.0.1:0",
-		CompactionProbeInterval: 20 * time.Millisecond,
+	cfg := servertest.Config(func(cfg *server.Config) {
+		cfg.Endpoints = []string{"http://" + en.relay.Addr()}
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.CompactionProbeInterval = 20 * time.Millisecond
 		// The robustness scenarios run etcd with
 		// e2e.WithWatchProcessNotifyInterval(100ms); the proxy serves
 		// the watches, so the interval is the proxy's.
-		WatchProgressNotifyInterval: 100 * time.Millisecond,
-		MaxHistoryBytes:             opts.maxHistoryBytes,
-		Logger:                      lg.Named("proxy"),
-	}
+		cfg.WatchProgressNotifyInterval = 100 * time.Millisecond
+		if opts.maxHistoryBytes != 0 {
+			cfg.MaxHistoryBytes = opts.maxHistoryBytes
+		}
+		cfg.Logger = lg.Named("proxy")
+	})
 	if opts.auth {
 		cfg.User, cfg.Password = rootUser, rootPassword
 	}

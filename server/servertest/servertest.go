@@ -38,6 +38,14 @@ func StartEtcd(tb testing.TB, cfg server.EmbeddedConfig) *embed.Etcd {
 	return e
 }
 
+// Config is server.DefaultConfig with edit applied: a test says only what
+// it changes, and every other field is the default a user gets.
+func Config(edit func(cfg *server.Config)) server.Config {
+	cfg := server.DefaultConfig()
+	edit(&cfg)
+	return cfg
+}
+
 // StartProxy starts the proxy, stopped when the test ends, and waits until
 // it is ready (WaitReady).
 func StartProxy(tb testing.TB, cfg server.Config) *server.Server {
