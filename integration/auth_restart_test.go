@@ -25,9 +25,7 @@ func TestAuthTokensAfterEtcdRestart(t *testing.T) {
 	dir := t.TempDir()
 	env.start(dir)
 	setUpAuth(t, callerClient(t, env.clientURL, "", "", nil))
-	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{env.clientURL}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxy(t, servertest.Config(env.clientURL, func(cfg *server.Config) {
 		cfg.User = "root"
 		cfg.Password = "rootpw"
 		cfg.Logger = zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))

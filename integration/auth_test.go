@@ -57,9 +57,7 @@ func startAuthProxy(t *testing.T) (string, *server.Server, *clientv3.Client) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	etcdEP := "http://" + e.Clients[0].Addr().String()
 	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{etcdEP}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxy(t, servertest.Config(etcdEP, func(cfg *server.Config) {
 		cfg.User = "root"
 		cfg.Password = "rootpw"
 		cfg.Logger = zaptest.NewLogger(t)
@@ -184,9 +182,7 @@ func TestAuthCertificateIdentityNotLent(t *testing.T) {
 	curl := startTLSEtcd(t, pki, dir)
 
 	setUpAuth(t, callerClient(t, curl.String(), "", "", pki.tlsConfig(t, rootCert, rootKey)))
-	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{curl.String()}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxy(t, servertest.Config(curl.String(), func(cfg *server.Config) {
 		cfg.UpstreamTLS = transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: rootCert, KeyFile: rootKey}
 		cfg.ServerTLS = transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca}
 		cfg.Logger = zaptest.NewLogger(t)

@@ -183,18 +183,14 @@ func startPasswordMatrix(t *testing.T, tiered bool) *matrixEnv {
 	upstream := env.etcdEP
 	if tiered {
 		env.mode = "tiered"
-		inner := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-			cfg.Endpoints = []string{upstream}
-			cfg.ListenAddr = "127.0.0.1:0"
+		inner := servertest.StartProxy(t, servertest.Config(upstream, func(cfg *server.Config) {
 			cfg.User = "root"
 			cfg.Password = "rootpw"
 			cfg.Logger = matrixLogger(t).Named("inner")
 		}))
 		upstream = "http://" + inner.Addr()
 	}
-	env.proxy = servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{upstream}
-		cfg.ListenAddr = "127.0.0.1:0"
+	env.proxy = servertest.StartProxy(t, servertest.Config(upstream, func(cfg *server.Config) {
 		cfg.User = "root"
 		cfg.Password = "rootpw"
 		cfg.Logger = matrixLogger(t)
@@ -248,9 +244,7 @@ func startCertMatrix(t *testing.T) *matrixEnv {
 	setUpAuth(t, callerClient(t, env.etcdEP, "", "", tlsFor(t, "root")))
 	env.root = callerClient(t, env.etcdEP, "", "", tlsFor(t, "root"))
 	env.r0 = env.etcdRev(t) - 1
-	env.proxy = servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{env.etcdEP}
-		cfg.ListenAddr = "127.0.0.1:0"
+	env.proxy = servertest.StartProxy(t, servertest.Config(env.etcdEP, func(cfg *server.Config) {
 		cfg.UpstreamTLS = transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: certs[""][0], KeyFile: certs[""][1]}
 		cfg.ServerTLS = transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca}
 		cfg.ClientCertAuth = true

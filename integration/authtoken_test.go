@@ -64,9 +64,7 @@ func TestAuthJWT(t *testing.T) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{AuthToken: "jwt,pub-key=" + pub + ",priv-key=" + priv + ",sign-method=RS256,ttl=10m"})
 	etcdEP := server.EmbeddedEndpoint(e)
 	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{etcdEP}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxy(t, servertest.Config(etcdEP, func(cfg *server.Config) {
 		cfg.User = "root"
 		cfg.Password = "rootpw"
 		cfg.AuthToken = "jwt,pub-key=" + pub + ",sign-method=RS256"
@@ -251,9 +249,7 @@ func TestAuthProxyIdentityMustReadEverything(t *testing.T) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	etcdEP := server.EmbeddedEndpoint(e)
 	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := servertest.StartProxyUnready(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{etcdEP}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxyUnready(t, servertest.Config(etcdEP, func(cfg *server.Config) {
 		cfg.User = "alice"
 		cfg.Password = "alicepw"
 		cfg.Logger = zaptest.NewLogger(t)

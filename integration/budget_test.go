@@ -30,9 +30,7 @@ func newBudgetCluster(tb testing.TB, budget int64, configure func(*server.Config
 	tb.Helper()
 	e := servertest.StartEtcd(tb, server.EmbeddedConfig{UnsafeNoFsync: true})
 	c := &cluster{etcd: e, etcdAddr: e.Clients[0].Addr().String()}
-	c.proxyCfg = servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{"http://" + c.etcdAddr}
-		cfg.ListenAddr = "127.0.0.1:0"
+	c.proxyCfg = servertest.Config("http://"+c.etcdAddr, func(cfg *server.Config) {
 		cfg.CompactionProbeInterval = 20 * time.Millisecond
 		cfg.MaxHistoryBytes = budget
 		cfg.Logger = zaptest.NewLogger(tb)

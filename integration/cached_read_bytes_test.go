@@ -33,9 +33,7 @@ func TestCachedReadBytesBounded(t *testing.T) {
 		valueN = 20 << 10
 	)
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
-	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{"http://" + e.Clients[0].Addr().String()}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxy(t, servertest.Config("http://"+e.Clients[0].Addr().String(), func(cfg *server.Config) {
 		cfg.MaxCachedReadBytes = bound
 		cfg.Logger = zaptest.NewLogger(t)
 	}))

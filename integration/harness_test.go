@@ -75,9 +75,7 @@ func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 		upstream = c.relay.Addr()
 	}
 	if opts.tiered {
-		inner := servertest.StartProxy(tb, servertest.Config(func(cfg *server.Config) {
-			cfg.Endpoints = []string{"http://" + upstream}
-			cfg.ListenAddr = "127.0.0.1:0"
+		inner := servertest.StartProxy(tb, servertest.Config("http://"+upstream, func(cfg *server.Config) {
 			cfg.CompactionProbeInterval = 20 * time.Millisecond
 			if opts.maxRequestBytes != 0 {
 				cfg.MaxRequestBytes = opts.maxRequestBytes
@@ -86,9 +84,7 @@ func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 		}))
 		upstream = inner.Addr()
 	}
-	c.proxyCfg = servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{"http://" + upstream}
-		cfg.ListenAddr = "127.0.0.1:0"
+	c.proxyCfg = servertest.Config("http://"+upstream, func(cfg *server.Config) {
 		cfg.MetricsAddr = "127.0.0.1:0"
 		cfg.CompactionProbeInterval = 20 * time.Millisecond
 		cfg.LoadRetainedHistory = opts.loadRetainedHistory

@@ -55,9 +55,7 @@ func TestHTTPEndpoints(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := servertest.StartEtcd(t, server.EmbeddedConfig{})
-			cfg := servertest.Config(func(cfg *server.Config) {
-				cfg.Endpoints = []string{"http://" + e.Clients[0].Addr().String()}
-				cfg.ListenAddr = "127.0.0.1:0"
+			cfg := servertest.Config("http://"+e.Clients[0].Addr().String(), func(cfg *server.Config) {
 				cfg.MetricsAddr = tc.metricsAddr
 				cfg.EnablePprof = true
 				cfg.Logger = zaptest.NewLogger(t)
@@ -132,9 +130,7 @@ func TestTLSIdentityReachesHandlers(t *testing.T) {
 		}
 		return handler(ctx, req)
 	}
-	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{"http://" + e.Clients[0].Addr().String()}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxy(t, servertest.Config("http://"+e.Clients[0].Addr().String(), func(cfg *server.Config) {
 		cfg.ServerTLS = transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca}
 		cfg.GRPCServerOptions = []grpc.ServerOption{grpc.ChainUnaryInterceptor(record)}
 		cfg.Logger = zaptest.NewLogger(t)

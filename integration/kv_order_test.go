@@ -48,17 +48,14 @@ func TestForwardedReadsNeverGoBack(t *testing.T) {
 	// The lagging endpoint: a proxy that holds every revision from 1, and
 	// refuses linearizable reads at once once its upstream is cut.
 	relay := testsupport.NewRelay(t, etcdAddr)
-	lagging := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{relay.Addr()}
-		cfg.ListenAddr = "127.0.0.1:0"
+	lagging := servertest.StartProxy(t, servertest.Config(relay.Addr(), func(cfg *server.Config) {
 		cfg.FreshnessTimeout = 100 * time.Millisecond
 		cfg.ConsistentReadFallback = kvproxy.FallbackFail
 		cfg.Logger = lg.Named("lagging")
 	}))
 	put(9)
-	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{"http://" + etcdAddr, "http://" + lagging.Addr()}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxy(t, servertest.Config("http://"+etcdAddr, func(cfg *server.Config) {
+		cfg.Endpoints = append(cfg.Endpoints, "http://"+lagging.Addr())
 		cfg.RevisionWait = 50 * time.Millisecond
 		cfg.CompactionProbeInterval = 20 * time.Millisecond
 		cfg.Logger = lg.Named("proxy")

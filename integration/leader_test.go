@@ -31,9 +31,7 @@ import (
 // three-member cluster loses its leader when two members stop.
 func TestRequireLeader(t *testing.T) {
 	members := startCluster(t, 3)
-	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{"http://" + members[0].e.Clients[0].Addr().String()}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxy(t, servertest.Config("http://"+members[0].e.Clients[0].Addr().String(), func(cfg *server.Config) {
 		cfg.Logger = zaptest.NewLogger(t)
 	}))
 	cli := newClient(t, p.Addr())

@@ -32,9 +32,7 @@ func TestNoIdentityForwardsEverything(t *testing.T) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	etcdEP := "http://" + e.Clients[0].Addr().String()
 	setUpAuth(t, callerClient(t, etcdEP, "", "", nil))
-	p := servertest.StartProxyUnready(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{etcdEP}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxyUnready(t, servertest.Config(etcdEP, func(cfg *server.Config) {
 		cfg.MetricsAddr = "127.0.0.1:0"
 		cfg.Logger = zaptest.NewLogger(t)
 	}))

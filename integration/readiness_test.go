@@ -100,9 +100,7 @@ func (c *probeClient) waitReady() {
 func TestReadinessUpstreamLost(t *testing.T) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	r := testsupport.NewRelay(t, e.Clients[0].Addr().String())
-	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{r.Addr()}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxy(t, servertest.Config(r.Addr(), func(cfg *server.Config) {
 		cfg.MetricsAddr = "127.0.0.1:0"
 		cfg.UpstreamLostThreshold = 300 * time.Millisecond
 		cfg.Logger = zaptest.NewLogger(t)
@@ -136,9 +134,7 @@ func TestReadinessDuringReload(t *testing.T) {
 	held := make(chan struct{}, 1)
 	gate := make(chan struct{})
 	var openGate sync.Once
-	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{"http://" + e.Clients[0].Addr().String()}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxy(t, servertest.Config("http://"+e.Clients[0].Addr().String(), func(cfg *server.Config) {
 		cfg.MetricsAddr = "127.0.0.1:0"
 		cfg.BeforeLoadPage = func() {
 			if hold.Load() {
@@ -245,9 +241,7 @@ func TestStopEndsEndlessStreams(t *testing.T) {
 
 	t.Run("cached and coalesced", func(t *testing.T) {
 		e := servertest.StartEtcd(t, server.EmbeddedConfig{})
-		p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-			cfg.Endpoints = []string{"http://" + e.Clients[0].Addr().String()}
-			cfg.ListenAddr = "127.0.0.1:0"
+		p := servertest.StartProxy(t, servertest.Config("http://"+e.Clients[0].Addr().String(), func(cfg *server.Config) {
 			cfg.Logger = zaptest.NewLogger(t)
 		}))
 		ctx, cancel := context.WithCancel(context.Background())
@@ -260,9 +254,7 @@ func TestStopEndsEndlessStreams(t *testing.T) {
 		e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 		etcdEP := "http://" + e.Clients[0].Addr().String()
 		enableRootAuth(t, rawConn(t, e.Clients[0].Addr().String()))
-		p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-			cfg.Endpoints = []string{etcdEP}
-			cfg.ListenAddr = "127.0.0.1:0"
+		p := servertest.StartProxy(t, servertest.Config(etcdEP, func(cfg *server.Config) {
 			cfg.User = "root"
 			cfg.Password = "rootpw"
 			cfg.Logger = zaptest.NewLogger(t)
@@ -291,9 +283,7 @@ func TestStopEndsEndlessStreams(t *testing.T) {
 // and StopNow, a second signal, cuts them at once.
 func TestStopNotReadyFirstThenStopNow(t *testing.T) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
-	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{"http://" + e.Clients[0].Addr().String()}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxy(t, servertest.Config("http://"+e.Clients[0].Addr().String(), func(cfg *server.Config) {
 		cfg.MetricsAddr = "127.0.0.1:0"
 		cfg.Logger = zaptest.NewLogger(t)
 	}))

@@ -33,9 +33,7 @@ func TestReadinessFollowsTheLoad(t *testing.T) {
 	e := servertest.StartEtcd(t, server.EmbeddedConfig{})
 	r := testsupport.NewRelay(t, e.Clients[0].Addr().String())
 	r.Cut()
-	p, err := server.Start(servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{r.Addr()} // host:port, no scheme
-		cfg.ListenAddr = "127.0.0.1:0"
+	p, err := server.Start(servertest.Config(r.Addr() /* host:port, no scheme */, func(cfg *server.Config) {
 		cfg.MetricsAddr = "127.0.0.1:0"
 		cfg.Logger = zaptest.NewLogger(t)
 	}))
@@ -106,9 +104,7 @@ func TestTLSBothWays(t *testing.T) {
 
 	curl := startTLSEtcd(t, pki, dir)
 
-	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{curl.String()}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxy(t, servertest.Config(curl.String(), func(cfg *server.Config) {
 		cfg.UpstreamTLS = transport.TLSInfo{TrustedCAFile: pki.ca, CertFile: pki.clientCert, KeyFile: pki.clientKey}
 		cfg.ServerTLS = transport.TLSInfo{CertFile: pki.serverCert, KeyFile: pki.serverKey, TrustedCAFile: pki.ca}
 		cfg.Logger = zaptest.NewLogger(t)

@@ -37,9 +37,7 @@ func TestWhileLoading(t *testing.T) {
 
 	pages := make(chan struct{}, 10)
 	release := make(chan struct{})
-	p, err := server.Start(servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{server.EmbeddedEndpoint(e)}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p, err := server.Start(servertest.Config(server.EmbeddedEndpoint(e), func(cfg *server.Config) {
 		cfg.MetricsAddr = "127.0.0.1:0"
 		cfg.LoadPageSize = 2
 		cfg.BeforeLoadPage = func() {
@@ -128,9 +126,7 @@ func TestCompactionRightAfterStart(t *testing.T) {
 	}
 	held, release := make(chan struct{}), make(chan struct{})
 	var once sync.Once
-	p := servertest.StartProxyUnready(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{server.EmbeddedEndpoint(e)}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxyUnready(t, servertest.Config(server.EmbeddedEndpoint(e), func(cfg *server.Config) {
 		cfg.MetricsAddr = "127.0.0.1:0"
 		cfg.Logger = zaptest.NewLogger(t)
 		cfg.BeforeLoadPage = func() {

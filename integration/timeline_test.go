@@ -36,9 +36,7 @@ type timelineEnv struct {
 func newTimelineEnv(t *testing.T) *timelineEnv {
 	env := &timelineEnv{t: t, clientURL: "http://" + testsupport.FreeAddr(t), peerURL: "http://" + testsupport.FreeAddr(t)}
 	env.start(t.TempDir())
-	env.proxy = servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{env.clientURL}
-		cfg.ListenAddr = "127.0.0.1:0"
+	env.proxy = servertest.StartProxy(t, servertest.Config(env.clientURL, func(cfg *server.Config) {
 		cfg.CompactionProbeInterval = 100 * time.Millisecond
 		cfg.Logger = zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))
 	}))

@@ -142,14 +142,7 @@ func (e *etcdProcess) rssBytes() int64 {
 // waits until it has loaded the keyspace.
 func startProxy(tb testing.TB, endpoint string, configure func(*server.Config)) *server.Server {
 	tb.Helper()
-	cfg := servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{endpoint}
-		cfg.ListenAddr = "127.0.0.1:0"
-	})
-	if configure != nil {
-		configure(&cfg)
-	}
-	return servertest.StartProxy(tb, cfg)
+	return servertest.StartProxy(tb, servertest.Config(endpoint, configure))
 }
 
 // waitApplied waits until the proxy's cache has applied rev.

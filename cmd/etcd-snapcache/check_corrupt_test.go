@@ -26,9 +26,7 @@ import (
 // naming the key once the proxy's cache is corrupted.
 func TestCheckCommand(t *testing.T) {
 	etcd := server.EmbeddedEndpoint(servertest.StartEtcd(t, server.EmbeddedConfig{}))
-	p := servertest.StartProxy(t, servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{etcd}
-		cfg.ListenAddr = "127.0.0.1:0"
+	p := servertest.StartProxy(t, servertest.Config(etcd, func(cfg *server.Config) {
 		cfg.ConsistencyCheckInterval = 0 // never: the proxy must not repair itself here
 		cfg.Logger = zaptest.NewLogger(t)
 	}))

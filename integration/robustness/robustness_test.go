@@ -202,9 +202,7 @@ func newEnv(t *testing.T, lg *zap.Logger, opts options) *env {
 	}
 	// The relay holds the connections made during a cut (see faultFor).
 	en.relay = testsupport.NewRelay(t, e.Clients[0].Addr().String(), testsupport.HoldWhileCut())
-	cfg := servertest.Config(func(cfg *server.Config) {
-		cfg.Endpoints = []string{"http://" + en.relay.Addr()}
-		cfg.ListenAddr = "127.0.0.1:0"
+	cfg := servertest.Config("http://"+en.relay.Addr(), func(cfg *server.Config) {
 		cfg.CompactionProbeInterval = 20 * time.Millisecond
 		// The robustness scenarios run etcd with
 		// e2e.WithWatchProcessNotifyInterval(100ms); the proxy serves

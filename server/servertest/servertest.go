@@ -38,11 +38,17 @@ func StartEtcd(tb testing.TB, cfg server.EmbeddedConfig) *embed.Etcd {
 	return e
 }
 
-// Config is server.DefaultConfig with edit applied: a test says only what
-// it changes, and every other field is the default a user gets.
-func Config(edit func(cfg *server.Config)) server.Config {
+// Config is server.DefaultConfig in front of the etcd at endpoint,
+// listening on a free port of 127.0.0.1, with edit applied (if any): a
+// test says only what it changes, and every other field is the default a
+// user gets.
+func Config(endpoint string, edit func(cfg *server.Config)) server.Config {
 	cfg := server.DefaultConfig()
-	edit(&cfg)
+	cfg.Endpoints = []string{endpoint}
+	cfg.ListenAddr = "127.0.0.1:0"
+	if edit != nil {
+		edit(&cfg)
+	}
 	return cfg
 }
 
