@@ -72,6 +72,11 @@ func cmName(i int) string   { return fmt.Sprintf("cm-%06d", i) }
 func (l layout) podNS(i int) string { return nsName(i % l.namespaces) }
 func (l layout) cmNS(i int) string  { return nsName(i % l.namespaces) }
 
+// podAdded is about what kube-apiserver adds to the load's pods as it
+// stores them (defaults, the service account token's volume, tolerations,
+// managedFields): a pod is padded to its size less this.
+const podAdded = 1800
+
 // objectSize is the size, in bytes, that object i of a kind is padded to:
 // spread evenly over 1–4 KiB (Nodes, whose status alone is 2 KiB, over
 // 2–4 KiB), the same in every run.
@@ -165,7 +170,9 @@ func (l layout) pod(i int, name, ns string) *corev1.Pod {
 		},
 	}
 	p.Annotations = map[string]string{stampKey: stampNow()}
-	padTo(p, &p.ObjectMeta, objectSize("pod", i), i)
+	// kube-apiserver adds about 1.8 KiB to a pod: defaults (tolerations,
+	// the service account token's volume, ...) and managedFields.
+	padTo(p, &p.ObjectMeta, objectSize("pod", i)-podAdded, i)
 	return p
 }
 
