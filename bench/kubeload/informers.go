@@ -94,7 +94,11 @@ func startInformers(ctx context.Context, cl *cluster, st *stats, perServer int) 
 				lw := &cache.ListWatch{
 					ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 						st.lists.Add(1)
-						return list(ctx, o)
+						l, err := list(ctx, o)
+						if err == nil {
+							slim(l)
+						}
+						return l, err
 					},
 					WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
 						st.watches.Add(1)
@@ -152,6 +156,45 @@ func strip(obj any) (any, error) {
 	return &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{
 		Name: m.GetName(), Namespace: m.GetNamespace(), ResourceVersion: m.GetResourceVersion(), Annotations: ann,
 	}}, nil
+}
+
+// slim strips a list's items, as strip does, as soon as each list (or
+// page) is decoded: a reflector holds every page of a LIST until it has
+// them all, and the load's informers LIST 100k objects at once after a
+// restart.
+func slim(list runtime.Object) {
+	switch l := list.(type) {
+	case *corev1.PodList:
+		for i := range l.Items {
+			l.Items[i].Spec, l.Items[i].Status = corev1.PodSpec{}, corev1.PodStatus{}
+			slimMeta(&l.Items[i].ObjectMeta)
+		}
+	case *corev1.NodeList:
+		for i := range l.Items {
+			l.Items[i].Spec, l.Items[i].Status = corev1.NodeSpec{}, corev1.NodeStatus{}
+			slimMeta(&l.Items[i].ObjectMeta)
+		}
+	case *corev1.ConfigMapList:
+		for i := range l.Items {
+			l.Items[i].Data, l.Items[i].BinaryData = nil, nil
+			slimMeta(&l.Items[i].ObjectMeta)
+		}
+	case *coordinationv1.LeaseList:
+		for i := range l.Items {
+			l.Items[i].Spec = coordinationv1.LeaseSpec{}
+			slimMeta(&l.Items[i].ObjectMeta)
+		}
+	}
+}
+
+func slimMeta(m *metav1.ObjectMeta) {
+	ann := map[string]string{}
+	for _, k := range []string{stampKey, barrierKey} {
+		if v, ok := m.Annotations[k]; ok {
+			ann[k] = v
+		}
+	}
+	*m = metav1.ObjectMeta{Name: m.Name, Namespace: m.Namespace, ResourceVersion: m.ResourceVersion, Annotations: ann}
 }
 
 // seen handles obj (old: its previous state, if it is an update): a stamp
