@@ -99,8 +99,9 @@ type controlPlane struct {
 	caFile  string // every kube-apiserver's CA
 	dir     string
 	sampler *sampler
-	setup   string // what was populated, for the SUMMARY
-	uts     bool   // each kube-apiserver runs in a UTS namespace of its own
+	setup   string    // what was populated, for the SUMMARY
+	uts     bool      // each kube-apiserver runs in a UTS namespace of its own
+	load    *kubeload // the running load generator, if any
 }
 
 func newControlPlane(b *testing.B, kubeBin, loadBin string) *controlPlane {
@@ -292,11 +293,13 @@ func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
 	}
 	ph.ready = time.Since(ph.start)
 	load := cp.startLoad(b, side, round)
-	r := load.do(b, "synced")
-	ph.caughtUp = time.Since(ph.start)
-	if !r.OK {
-		ph.note(fmt.Sprintf("informers not synced: %s", r.Error))
+	if r := load.do(b, "synced"); !r.OK {
+		ph.note("informers not synced: " + r.Error)
+	} else if r := load.do(b, "barrier"); !r.OK {
+		// Synced and caught up: steady state begins without a backlog.
+		ph.note("barrier: " + r.Error)
 	}
+	ph.caughtUp = time.Since(ph.start)
 	out = append(out, cp.end(b, ph, load))
 
 	ph = cp.begin(b, side, "steady")
@@ -310,6 +313,7 @@ func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
 	out = append(out, cp.restart(b, side, "restart-one", endpoint, cp.kubes[:1], load))
 
 	load.stop(b)
+	cp.load = nil
 	cp.stopKubes(b, cp.kubes, false)
 	return out
 }
@@ -370,10 +374,20 @@ type cpKube struct {
 	cursor *logCursor   // the running generation's log
 	logs   []*logCursor // this phase's generations' logs
 
-	// The phase's accounting of its /metrics: acc holds what earlier
-	// generations did in the phase, base the running one's counters when
-	// the phase began (nil: it started in the phase).
-	base, acc counters
+	// The phase's accounting of its /metrics and its CPU time: acc holds
+	// what earlier generations did in the phase, base the running one's
+	// counters when the phase began (nil, 0: it started in the phase).
+	base, acc       counters
+	cpuBase, cpuAcc time.Duration
+}
+
+// cpu is the CPU time the running (or last) generation has used.
+func (k *cpKube) cpu() time.Duration {
+	if k.proc.alive() != nil {
+		return k.proc.cmd.ProcessState.UserTime() + k.proc.cmd.ProcessState.SystemTime()
+	}
+	d, _ := cpuOf(k.proc.cmd.Process.Pid)
+	return d
 }
 
 func (k *cpKube) certFile() string { return filepath.Join(k.dir, "certs", "apiserver.crt") }
@@ -419,6 +433,12 @@ func (cp *controlPlane) stopKubes(b *testing.B, kubes []*cpKube, account bool) {
 		wg.Go(func() { k.proc.stop(b) })
 	}
 	wg.Wait()
+	if account {
+		for _, k := range kubes {
+			k.cpuAcc += k.cpu() - k.cpuBase
+			k.cpuBase = 0
+		}
+	}
 }
 
 // waitReady waits until every one of kubes answers /readyz, and returns

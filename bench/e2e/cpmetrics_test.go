@@ -27,9 +27,11 @@ type cpPhase struct {
 	notes      []string
 
 	etcdCPU0, proxyCPU0 time.Duration
+	loadCPU0            time.Duration
 	etcd0, proxy0       metricSet
 
 	etcdCPU, proxyCPU     time.Duration
+	kubeCPU, loadCPU      time.Duration // every kube-apiserver's; the load generator's
 	etcdRSS, etcdPeak     int64
 	proxyRSS, proxyPeak   int64
 	watchers, watchersMax float64
@@ -47,9 +49,10 @@ func (cp *controlPlane) begin(b *testing.B, side, name string) *cpPhase {
 	b.Helper()
 	ph := &cpPhase{side: side, name: name}
 	for _, k := range cp.kubes {
-		k.acc, k.base, k.logs = nil, nil, nil
+		k.acc, k.base, k.logs, k.cpuAcc, k.cpuBase = nil, nil, nil, 0, 0
 		if k.proc != nil && k.proc.alive() == nil {
 			k.logs = []*logCursor{k.cursor}
+			k.cpuBase = k.cpu()
 			m, err := k.scrape()
 			if err != nil {
 				b.Fatalf("kube-apiserver %d: %v", k.idx, err)
@@ -61,6 +64,9 @@ func (cp *controlPlane) begin(b *testing.B, side, name string) *cpPhase {
 	clearPeak(cp.proxy.cmd.Process.Pid)
 	cp.sampler.reset()
 	ph.etcdCPU0, ph.proxyCPU0 = processCPU(b, cp.etcd.pid()), processCPU(b, cp.proxy.pid())
+	if cp.load != nil {
+		ph.loadCPU0, _ = cpuOf(cp.load.cmd.Process.Pid)
+	}
 	ph.etcd0, ph.proxy0 = cp.etcd.metrics(b), cp.proxy.metrics(b)
 	ph.start = time.Now()
 	progress("%s %s: begins", side, name)
@@ -77,6 +83,9 @@ func (cp *controlPlane) end(b *testing.B, ph *cpPhase, load *kubeload) cpPhase {
 	ph.secs = time.Since(ph.start).Seconds()
 	ph.etcdCPU = processCPU(b, cp.etcd.pid()) - ph.etcdCPU0
 	ph.proxyCPU = processCPU(b, cp.proxy.pid()) - ph.proxyCPU0
+	if d, err := cpuOf(load.cmd.Process.Pid); err == nil {
+		ph.loadCPU = d - ph.loadCPU0
+	}
 	em, pm := cp.etcd.metrics(b), cp.proxy.metrics(b)
 	ph.etcdReqs = byLabel(em, "grpc_server_handled_total", "grpc_method")
 	for m, v := range byLabel(ph.etcd0, "grpc_server_handled_total", "grpc_method") {
@@ -99,6 +108,7 @@ func (cp *controlPlane) end(b *testing.B, ph *cpPhase, load *kubeload) cpPhase {
 		k.acc.add(k.base, -1)
 		k.base = m
 		ph.kube.add(k.acc, 1)
+		ph.kubeCPU += k.cpuAcc + k.cpu() - k.cpuBase
 		for _, c := range k.logs {
 			c.scan(&ph.logs)
 		}
@@ -349,6 +359,28 @@ func (s *sampler) take() (etcdMax, proxyMax int64, watchersMax float64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.etcdMax, s.proxyMax, s.watchersMax
+}
+
+// cpuOf is the user+system CPU time process pid has used so far.
+func cpuOf(pid int) (time.Duration, error) {
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	i := bytes.LastIndexByte(stat, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("unexpected /proc/%d/stat", pid)
+	}
+	f := strings.Fields(string(stat[i+1:]))
+	if len(f) < 13 {
+		return 0, fmt.Errorf("unexpected /proc/%d/stat", pid)
+	}
+	utime, err1 := strconv.ParseInt(f[11], 10, 64)
+	stime, err2 := strconv.ParseInt(f[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		return 0, fmt.Errorf("unexpected /proc/%d/stat", pid)
+	}
+	return time.Duration(utime+stime) * clockTick, nil
 }
 
 // memOf is process pid's resident memory (VmRSS) and its peak (VmHWM,

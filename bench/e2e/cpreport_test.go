@@ -15,7 +15,8 @@ type cpAgg struct {
 	rounds              int
 	secs                float64
 	etcdCPU, proxyCPU   float64 // seconds
-	etcdRSS, etcdPeak   int64   // the last round's, and the highest
+	kubeCPU, loadCPU    float64
+	etcdRSS, etcdPeak   int64 // the last round's, and the highest
 	proxyRSS, proxyPeak int64
 	watchers            float64 // the last round's, at the phase's end
 	watchersMax         float64
@@ -47,6 +48,8 @@ func aggregate(phs []cpPhase) *cpAgg {
 		a.secs += p.secs
 		a.etcdCPU += p.etcdCPU.Seconds()
 		a.proxyCPU += p.proxyCPU.Seconds()
+		a.kubeCPU += p.kubeCPU.Seconds()
+		a.loadCPU += p.loadCPU.Seconds()
 		a.etcdRSS, a.proxyRSS, a.watchers = p.etcdRSS, p.proxyRSS, p.watchers
 		a.etcdPeak, a.proxyPeak = max(a.etcdPeak, p.etcdPeak), max(a.proxyPeak, p.proxyPeak)
 		a.watchersMax = max(a.watchersMax, p.watchersMax)
@@ -151,8 +154,8 @@ func (cp *controlPlane) report(b *testing.B, results []cpPhase) {
 			if len(a.caughtUp) > 0 {
 				ready += fmt.Sprintf(", informers caught up after %.1fs", median(a.caughtUp))
 			}
-			fmt.Fprintf(&sb, "SUMMARY   %s kube : ms p50/p99 %s  5xx %.0f 429 %.0f%s  logs: errors %d relists %d too-large-rv %d too-old-rv %d timeouts %d slow-watcher-closes %d (warnings %d)\n",
-				pad, strings.Join(lat, " "), fivexx, tooMany, ready,
+			fmt.Fprintf(&sb, "SUMMARY   %s kube : cpu %.2f s/s  ms p50/p99 %s  5xx %.0f 429 %.0f%s  logs: errors %d relists %d too-large-rv %d too-old-rv %d timeouts %d slow-watcher-closes %d (warnings %d)\n",
+				pad, a.kubeCPU/a.secs, strings.Join(lat, " "), fivexx, tooMany, ready,
 				a.logs.errors, a.logs.relists, a.logs.tooLarge, a.logs.tooOld, a.logs.timeouts, a.logs.forced, a.logs.warnings)
 			var total, errs int64
 			var kinds []string
@@ -174,8 +177,8 @@ func (cp *controlPlane) report(b *testing.B, results []cpPhase) {
 					p99s = append(p99s, fmt.Sprintf("%s -(%d err)", k, o.errors))
 				}
 			}
-			fmt.Fprintf(&sb, "SUMMARY   %s load : informer delay p50/p99/max %s/%s/%s ms (%d events)  informer lists %d watches %d errors %d  ops %d errors %d skipped %d  p99 ms %s\n",
-				pad, fmtMS(median(a.delayP50)), fmtMS(median(a.delayP99)), fmtMS(median(a.delayMax)), a.delayN,
+			fmt.Fprintf(&sb, "SUMMARY   %s load : cpu %.2f s/s  informer delay p50/p99/max %s/%s/%s ms (%d events)  informer lists %d watches %d errors %d  ops %d errors %d skipped %d  p99 ms %s\n",
+				pad, a.loadCPU/a.secs, fmtMS(median(a.delayP50)), fmtMS(median(a.delayP99)), fmtMS(median(a.delayMax)), a.delayN,
 				a.lists, a.watches, a.watchErrors, total, errs, a.skipped, strings.Join(p99s, " "))
 			for _, n := range a.notes {
 				fmt.Fprintf(&sb, "SUMMARY   %s note : %s\n", pad, n)
