@@ -20,7 +20,7 @@ BENCH_E2E_FLAGS ?=
 # them.
 TEST_TAGS    ?= snapcachetest
 
-.PHONY: all build run test vet bench bench-e2e bench-chart clean tools tools-etcd tools-kube integration integration-clients integration-e2e integration-budget
+.PHONY: all build run test vet bench bench-e2e bench-chart kubeload clean tools tools-etcd tools-kube integration integration-clients integration-e2e integration-budget
 
 all: build
 
@@ -86,8 +86,21 @@ bench:
 # with auth on: BENCH_E2E_FLAGS=-snapcache.e2e.auth. BenchmarkHistoryMemory
 # (the proxy in the benchmark's process) reports the proxy's heap per
 # retained revision and its heap under a history budget (a few minutes).
-bench-e2e: build tools-etcd
-	$(GO) test -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -count=1 -timeout 60m ./bench/e2e/ -args $(BENCH_E2E_FLAGS)
+# BenchmarkControlPlane (`make bench-e2e BENCH=ControlPlane`, which builds
+# kube-apiserver too) runs 3 kube-apiservers with their watch caches on in
+# front of etcd and in front of the proxy, under a kube-shaped client-go load
+# (bin/kubeload): start storm, steady state, restarts (about 15 minutes at
+# its default 100k objects; a smoke run: BENCH_E2E_FLAGS='-snapcache.e2e.cp-objects=5000
+# -snapcache.e2e.cp-apiservers=2 -snapcache.e2e.cp-steady=20s -snapcache.e2e.cp-settle=5s').
+BENCH_TIMEOUT ?= 60m
+bench-e2e: build tools-etcd kubeload $(if $(findstring ControlPlane,$(BENCH)),tools-kube)
+	$(GO) test -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -count=1 -timeout $(BENCH_TIMEOUT) ./bench/e2e/ -args $(BENCH_E2E_FLAGS)
+
+# BenchmarkControlPlane's load generator: client-go clients of kube-apiserver
+# (bench/kubeload, a module of its own, so that client-go stays out of the
+# main module).
+kubeload:
+	cd bench/kubeload && $(GO) build -mod=readonly -o ../../bin/kubeload .
 
 # The chart of docs/performance.md from a bench-e2e run's output, e.g.
 # `make bench-e2e | tee bench.out && make bench-chart BENCH_OUT=bench.out`.

@@ -89,6 +89,63 @@
 //     -snapcache.e2e.kube-page (500) following continue tokens
 //     ("paginated"). It also reports etcd-cpu-ms and kube-cpu-ms: etcd's and
 //     that kube-apiserver's CPU time per LIST.
+//   - BenchmarkControlPlane: a production control plane, in phases rather
+//     than rounds. -snapcache.e2e.cp-apiservers (3) unmodified
+//     kube-apiservers with their watch caches on (the default), in front of
+//     etcd ("direct") and in front of the proxy ("proxy", one process in
+//     front of the same etcd, running and loaded before its side begins),
+//     one side's pass after the other on the same etcd and data (etcd
+//     compacted at each pass's start); -snapcache.e2e.cp-rounds (1) passes
+//     per side, alternating. The objects (-snapcache.e2e.cp-objects, 100k:
+//     -snapcache.e2e.cp-nodes (500) Nodes and their Leases, the rest half
+//     Pods, half ConfigMaps, in a namespace per 1,000; ConfigMaps of 1–4
+//     KiB, Nodes of 2–4 KiB, Pods of 3–4 KiB as stored, kube-apiserver's
+//     defaults and managedFields included) are created through the
+//     kube-apiservers first; the SUMMARY's setup line says what etcd then
+//     holds. The load is bench/kubeload (bin/kubeload, `make kubeload`; a
+//     module of its own, so that client-go stays out of the main module), a
+//     client-go process that answers the benchmark's commands on stdin with
+//     JSON lines: informers (client-go shared informers: LIST then WATCH
+//     with bookmarks, resuming, relisting when they must;
+//     -snapcache.e2e.cp-watchlist for watch-list) on pods, nodes, configmaps
+//     and leases from -snapcache.e2e.cp-informers (2) client connections per
+//     kube-apiserver; a Lease renewal per node every 10 s, pod and node
+//     status updates, ConfigMap updates, pod and ConfigMap creates and
+//     deletes, GETs, consistent LISTs and LISTs at a resourceVersion, each
+//     at a fixed rate (-snapcache.e2e.cp-rate scales them). Each client has
+//     a home kube-apiserver and goes to another only while its home is not
+//     ready, as through a load balancer that checks /readyz. Each
+//     kube-apiserver runs in a UTS namespace of its own where unshare(1) can
+//     make one (its identity Lease is named after its hostname). The phases:
+//     start-storm (every kube-apiserver starting at once, then the clients,
+//     until every informer has synced and caught up), steady
+//     (-snapcache.e2e.cp-steady, 1m), restart-all (every kube-apiserver
+//     stopped and started at once) and restart-one (the first one while the
+//     others serve); a restart phase lasts until every kube-apiserver is
+//     ready and every informer has seen a barrier written after it (a token
+//     on an object of each resource), then -snapcache.e2e.cp-settle (20s). A
+//     kube-apiserver stopped (SIGTERM) with watches open exits only when
+//     killed, 15 s later, as kubelet kills it after its grace period. Per
+//     phase and side (SUMMARY lines): etcd's CPU per second, resident memory
+//     (VmRSS) and its peak in the phase (VmHWM after clear_refs, and a 250ms
+//     sampler), etcd_debugging_mvcc_watcher_total, and etcd's requests per
+//     second by gRPC method (grpc_server_handled_total); the proxy's own CPU
+//     and memory; the kube-apiservers' CPU per second and their request
+//     latency p50/p99 per verb (their apiserver_request_duration_seconds,
+//     summed over every kube-apiserver and generation), its 5xx and 429
+//     answers, and the lines of its logs that are errors, relists, "too
+//     large resource version", "too old resource version", timeouts or slow
+//     watchers closed; the informers' event delay (each write stamps its
+//     object with its wall time, each informer's handler records its
+//     lateness), lists, watches and errors; the load's CPU, ops, errors and
+//     p99 latency per kind. The header line has etcd's CPU and peak memory
+//     proxy/direct. On 2 cores the load generator (which decodes every
+//     informer's LISTs) and the kube-apiservers saturate the CPUs in the
+//     storm and restart phases: their durations and informer delays are then
+//     mostly the machine's. About 15 minutes at the defaults on 2 cores; a
+//     smoke run: -snapcache.e2e.cp-objects=5000
+//     -snapcache.e2e.cp-apiservers=2 -snapcache.e2e.cp-steady=20s
+//     -snapcache.e2e.cp-settle=5s.
 //   - BenchmarkHistoryMemory: the proxy's heap per retained revision,
 //     without a history budget, and its heap under a budget
 //     (--max-history-bytes). Here the proxy runs in the benchmark's
@@ -113,13 +170,18 @@
 //
 //	make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical|KubeList' BENCHTIME=1x
 //	make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical|KubeList' BENCHTIME=1x BENCH_E2E_FLAGS=-snapcache.e2e.auth
+//	make bench-e2e BENCH=ControlPlane
 //
 // Flags: the throughput benchmarks' -snapcache.e2e.rounds, .round,
 // .maxops, .conns, .op-timeout, .auth, .get-clients, .get-keys,
 // .range-keys, .range-updates, .range-clients, .page, .watchers,
 // .watch-conns, .watch-puts, .watch-keys, .watch-value, .watch-timeout,
 // .kube-objects, .kube-value, .kube-clients, .kube-page;
-// BenchmarkHistoryMemory's -snapcache.e2e.keys, .revisions, .value,
-// .budget, .writers. $ETCD_BIN overrides the etcd binary, $SNAPCACHE_BIN
-// the proxy's, $KUBE_APISERVER_BIN kube-apiserver's.
+// BenchmarkControlPlane's -snapcache.e2e.cp-objects, .cp-apiservers,
+// .cp-nodes, .cp-informers, .cp-steady, .cp-settle, .cp-rounds, .cp-rate,
+// .cp-watchlist, .cp-timeout; BenchmarkHistoryMemory's
+// -snapcache.e2e.keys, .revisions, .value, .budget, .writers. $ETCD_BIN
+// overrides the etcd binary, $SNAPCACHE_BIN the proxy's,
+// $KUBE_APISERVER_BIN kube-apiserver's, $KUBELOAD_BIN the load
+// generator's.
 package e2e

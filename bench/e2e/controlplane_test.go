@@ -1,0 +1,512 @@
+package e2e
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"flag"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
+)
+
+// Flags of BenchmarkControlPlane.
+var (
+	cpObjects    = flag.Int("snapcache.e2e.cp-objects", 100000, "objects of BenchmarkControlPlane: Nodes, as many Leases, the rest half Pods, half ConfigMaps, of 1–4 KiB")
+	cpAPIServers = flag.Int("snapcache.e2e.cp-apiservers", 3, "kube-apiservers of BenchmarkControlPlane")
+	cpNodes      = flag.Int("snapcache.e2e.cp-nodes", 500, "nodes of BenchmarkControlPlane: each renews its Lease every 10 s")
+	cpInformers  = flag.Int("snapcache.e2e.cp-informers", 2, "informer clients per kube-apiserver (each informs on pods, nodes, configmaps and leases)")
+	cpSteady     = flag.Duration("snapcache.e2e.cp-steady", time.Minute, "length of the steady phase")
+	cpSettle     = flag.Duration("snapcache.e2e.cp-settle", 20*time.Second, "how long a restart phase goes on once every kube-apiserver is ready and every informer has caught up")
+	cpRounds     = flag.Int("snapcache.e2e.cp-rounds", 1, "passes of the phases per side (direct,proxy, proxy,direct, ...)")
+	cpRate       = flag.Float64("snapcache.e2e.cp-rate", 1, "multiplies every rate of the load but the heartbeats")
+	cpWatchList  = flag.Bool("snapcache.e2e.cp-watchlist", false, "informers use watch-list (client-go's WatchListClient) instead of LIST then WATCH")
+	cpTimeout    = flag.Duration("snapcache.e2e.cp-timeout", 10*time.Minute, "bound of each wait: kube-apiservers ready, informers synced or caught up (populating: three times it)")
+)
+
+// kubeloadBinary is $KUBELOAD_BIN, else the load generator `make kubeload`
+// builds (bench/kubeload, a module of its own: client-go stays out of the
+// main module).
+func kubeloadBinary(tb testing.TB) string {
+	return requireBinary(tb, "KUBELOAD_BIN", "../../bin/kubeload", "build it with `make kubeload`")
+}
+
+// cpPhases are the phases of a side's pass, in order.
+var cpPhases = []string{"start-storm", "steady", "restart-all", "restart-one"}
+
+// BenchmarkControlPlane: a production control plane, -snapcache.e2e.cp-apiservers
+// unmodified kube-apiservers with their watch caches on (the default), in
+// front of one etcd directly ("direct") and in front of one etcd-snapcache
+// process in front of the same etcd ("proxy"), alternating on the same etcd
+// and data, under a kube-shaped load (bench/kubeload, a client-go process):
+// kubelet heartbeats, pod and node status updates, creates and deletes,
+// informers (LIST then WATCH, bookmarks, resumes), GETs, consistent LISTs
+// and LISTs at a resourceVersion. A side's pass is four phases: every
+// kube-apiserver starting at once (start-storm, until all are ready and every
+// informer has synced), steady state (-snapcache.e2e.cp-steady), every
+// kube-apiserver restarting at once (restart-all) and one restarting while
+// the others serve (restart-one), each of these until every kube-apiserver
+// is ready and every informer has caught up, then -snapcache.e2e.cp-settle.
+// Per phase and side: etcd's CPU per second, resident memory and peak,
+// watchers and requests per second by method; the proxy's CPU and memory;
+// kube-apiserver's request latency per verb, its 5xx and 429 answers and
+// what its logs say (errors, relists, too large or too old resource
+// versions, timeouts); the informers' event delay, lists, watches and
+// errors; the load's ops and errors.
+func BenchmarkControlPlane(b *testing.B) {
+	bin := kubeAPIServerBinary()
+	if bin == "" {
+		b.Skip("no kube-apiserver binary: build it with `make tools-kube` (tools/build.sh kube), or set $KUBE_APISERVER_BIN")
+	}
+	cp := newControlPlane(b, bin, kubeloadBinary(b))
+	cp.populate(b)
+
+	var results []cpPhase
+	for r := range *cpRounds {
+		sides := []string{"direct", "proxy"}
+		if r%2 == 1 {
+			slices.Reverse(sides)
+		}
+		for _, s := range sides {
+			results = append(results, cp.pass(b, s, r)...)
+		}
+	}
+	b.StopTimer()
+	cp.report(b, results)
+}
+
+// controlPlane is etcd, the proxy in front of it, the kube-apiservers and
+// the load.
+type controlPlane struct {
+	etcd    *etcdProcess
+	proxy   *proxyProcess // started once the data is in, and kept running
+	loader  *clientv3.Client
+	kubes   []*cpKube
+	kubeBin string
+	loadBin string
+	token   string
+	caFile  string // every kube-apiserver's CA
+	dir     string
+	sampler *sampler
+	setup   string    // what was populated, for the SUMMARY
+	uts     bool      // each kube-apiserver runs in a UTS namespace of its own
+	load    *kubeload // the running load generator, if any
+}
+
+func newControlPlane(b *testing.B, kubeBin, loadBin string) *controlPlane {
+	cp := &controlPlane{kubeBin: kubeBin, loadBin: loadBin, dir: b.TempDir()}
+	cp.etcd = startEtcd(b)
+	cp.loader = dial(b, cp.etcd.endpoint, nil, "", "")
+	cp.uts = exec.Command("unshare", "--uts", "--", "/bin/sh", "-c", "hostname kube-apiserver").Run() == nil
+	if !cp.uts {
+		b.Logf("no UTS namespaces (unshare --uts): the kube-apiservers share a hostname, so an identity Lease, and log errors about it")
+	}
+	for i := range max(*cpAPIServers, 1) {
+		dir := filepath.Join(cp.dir, fmt.Sprintf("kube-%d", i))
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			b.Fatal(err)
+		}
+		args, port, token := testsupport.KubeAPIServerSetup(b, dir)
+		if i == 0 {
+			cp.token = token
+		} else {
+			// One cluster: every kube-apiserver takes the same token and
+			// signs service accounts with the same key, as in HA.
+			for _, f := range []string{"tokens.csv", "sa.key", "sa.pub"} {
+				copyFile(b, filepath.Join(cp.dir, "kube-0", f), filepath.Join(dir, f))
+			}
+		}
+		cp.kubes = append(cp.kubes, &cpKube{idx: i, dir: dir, port: port, bin: kubeBin, token: cp.token,
+			// --v=1: the cacher's forced watcher closes too.
+			args: append(args, "--v=1")})
+	}
+	cp.sampler = startSampler(b, cp)
+	return cp
+}
+
+func copyFile(tb testing.TB, from, to string) {
+	tb.Helper()
+	data, err := os.ReadFile(from)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if err := os.WriteFile(to, data, 0o600); err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// populate writes the objects through kube-apiservers in front of etcd
+// (then stopped), compacts etcd, and starts the proxy, which loads them.
+func (cp *controlPlane) populate(b *testing.B) {
+	start := time.Now()
+	cp.startKubes(b, cp.etcd.endpoint, cp.kubes)
+	if _, err := cp.waitReady(cp.kubes); err != nil {
+		b.Fatal(err)
+	}
+	// Every kube-apiserver's self-signed serving certificate, for the load.
+	var bundle []byte
+	for _, k := range cp.kubes {
+		pem, err := os.ReadFile(k.certFile())
+		if err != nil {
+			b.Fatal(err)
+		}
+		bundle = append(bundle, pem...)
+	}
+	cp.caFile = filepath.Join(cp.dir, "kube-ca.crt")
+	if err := os.WriteFile(cp.caFile, bundle, 0o600); err != nil {
+		b.Fatal(err)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 3**cpTimeout)
+	defer cancel()
+	logf, err := os.Create(filepath.Join(cp.dir, "kubeload-populate.log"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer logf.Close()
+	cmd := cp.loadCmd(ctx, "populate", "-concurrency=48")
+	cmd.Stderr = logf
+	out, err := cmd.Output()
+	if err != nil {
+		b.Fatalf("kubeload populate: %v: %s\n%s", err, out, tailOf(logf.Name()))
+	}
+	var res struct {
+		Objects int      `json:"objects"`
+		Secs    float64  `json:"secs"`
+		Errors  int      `json:"errors"`
+		Samples []string `json:"error_samples"`
+	}
+	if err := jsonLine(out, &res); err != nil {
+		b.Fatalf("kubeload populate: %v: %s", err, out)
+	}
+	cp.stopKubes(b, cp.kubes, false)
+	for _, k := range cp.kubes {
+		k.logs = nil
+	}
+	head := cp.head(b)
+	cp.compact(b, head)
+
+	// What kube-apiserver stored, read back from etcd.
+	var parts []string
+	for _, r := range []struct{ name, prefix string }{
+		{"pods", "/registry/pods/"}, {"configmaps", "/registry/configmaps/"},
+		{"nodes", "/registry/minions/"}, {"leases", "/registry/leases/"},
+	} {
+		gctx, gcancel := context.WithTimeout(context.Background(), time.Minute)
+		all, err := cp.loader.Get(gctx, r.prefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
+		if err != nil {
+			gcancel()
+			b.Fatal(err)
+		}
+		some, err := cp.loader.Get(gctx, r.prefix, clientv3.WithPrefix(), clientv3.WithLimit(2000))
+		gcancel()
+		if err != nil {
+			b.Fatal(err)
+		}
+		size := 0
+		for _, kv := range some.Kvs {
+			size += len(kv.Value)
+		}
+		parts = append(parts, fmt.Sprintf("%d %s (%.1f KiB)", all.Count, r.name, float64(size)/float64(max(len(some.Kvs), 1))/1024))
+	}
+	db := cp.etcd.metrics(b).sum("etcd_mvcc_db_total_size_in_bytes")
+	cp.setup = fmt.Sprintf("%s; etcd db %.0f MiB at revision %d; %d objects written through %d kube-apiservers in %.0fs",
+		strings.Join(parts, ", "), db/(1<<20), head, res.Objects, len(cp.kubes), res.Secs)
+	progress("setup: %s (%d errors %v); took %v", cp.setup, res.Errors, res.Samples, time.Since(start).Round(time.Second))
+	if res.Errors > 0 {
+		b.Fatalf("kubeload populate: %d errors: %v", res.Errors, res.Samples)
+	}
+
+	cp.proxy = startProxyProcess(b, cp.etcd.endpoint)
+	cp.sampler.setProxy(cp.proxy.cmd.Process.Pid)
+	cp.waitProxy(b, head)
+}
+
+// progress prints a line at once: a benchmark's log comes out when it ends.
+func progress(format string, args ...any) {
+	fmt.Printf("PROGRESS "+format+"\n", args...)
+}
+
+// head is etcd's current revision.
+func (cp *controlPlane) head(b *testing.B) int64 {
+	b.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	resp, err := cp.loader.Get(ctx, "health")
+	if err != nil {
+		b.Fatal(err)
+	}
+	return resp.Header.Revision
+}
+
+// compact compacts etcd at rev, as kube-apiserver's compactor does every
+// five minutes: each side starts from a compacted etcd.
+func (cp *controlPlane) compact(b *testing.B, rev int64) {
+	b.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	if _, err := cp.loader.Compact(ctx, rev, clientv3.WithCompactPhysical()); err != nil && !strings.Contains(err.Error(), "compacted") {
+		b.Fatal(err)
+	}
+}
+
+// waitProxy waits until the proxy's cache has applied rev.
+func (cp *controlPlane) waitProxy(b *testing.B, rev int64) {
+	b.Helper()
+	testsupport.Poll(b, *cpTimeout, 50*time.Millisecond, fmt.Sprintf("the proxy's cache to reach revision %d", rev), func() (bool, error) {
+		if err := cp.proxy.alive(); err != nil {
+			b.Fatal(err)
+		}
+		at := int64(cp.proxy.metrics(b).sum("etcd_snapcache_cache_revision"))
+		return at >= rev, fmt.Errorf("at revision %d", at)
+	})
+}
+
+// pass runs the phases on one side: the kube-apiservers in front of etcd
+// ("direct") or of the proxy.
+func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
+	endpoint := cp.etcd.endpoint
+	head := cp.head(b)
+	cp.compact(b, head)
+	if side == "proxy" {
+		endpoint = cp.proxy.endpoint
+		cp.waitProxy(b, head)
+	}
+	var out []cpPhase
+
+	// All kube-apiservers starting at once, then the clients.
+	ph := cp.begin(b, side, "start-storm")
+	cp.startKubes(b, endpoint, cp.kubes)
+	if _, err := cp.waitReady(cp.kubes); err != nil {
+		b.Fatal(err)
+	}
+	ph.ready = time.Since(ph.start)
+	load := cp.startLoad(b, side, round)
+	if r := load.do(b, "synced"); !r.OK {
+		ph.note("informers not synced: " + r.Error)
+	} else if r := load.do(b, "barrier"); !r.OK {
+		// Synced and caught up: steady state begins without a backlog.
+		ph.note("barrier: " + r.Error)
+	}
+	ph.caughtUp = time.Since(ph.start)
+	out = append(out, cp.end(b, ph, load))
+
+	ph = cp.begin(b, side, "steady")
+	for time.Since(ph.start) < *cpSteady {
+		time.Sleep(time.Second)
+		cp.checkAlive(b, load)
+	}
+	out = append(out, cp.end(b, ph, load))
+
+	out = append(out, cp.restart(b, side, "restart-all", endpoint, cp.kubes, load))
+	out = append(out, cp.restart(b, side, "restart-one", endpoint, cp.kubes[:1], load))
+
+	load.stop(b)
+	cp.load = nil
+	cp.stopKubes(b, cp.kubes, false)
+	return out
+}
+
+// restart is a restart phase: kubes stop and start again, all at once;
+// the phase goes on until they are ready, every informer has caught up (a
+// barrier) and -snapcache.e2e.cp-settle has passed.
+func (cp *controlPlane) restart(b *testing.B, side, name, endpoint string, kubes []*cpKube, load *kubeload) cpPhase {
+	ph := cp.begin(b, side, name)
+	cp.stopKubes(b, kubes, true)
+	cp.startKubes(b, endpoint, kubes)
+	if _, err := cp.waitReady(kubes); err != nil {
+		b.Fatal(err)
+	}
+	ph.ready = time.Since(ph.start)
+	r := load.do(b, "barrier")
+	ph.caughtUp = time.Since(ph.start)
+	if !r.OK {
+		ph.note("barrier: " + r.Error)
+	}
+	for end := time.Now().Add(*cpSettle); time.Now().Before(end); {
+		time.Sleep(time.Second)
+		cp.checkAlive(b, load)
+	}
+	return cp.end(b, ph, load)
+}
+
+func (cp *controlPlane) checkAlive(b *testing.B, load *kubeload) {
+	b.Helper()
+	for _, c := range []*child{cp.etcd.child, cp.proxy.child} {
+		if err := c.alive(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	for _, k := range cp.kubes {
+		if err := k.proc.alive(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if err := load.alive(); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// cpKube is one kube-apiserver: its flags and directory stay, its process
+// is started again at each (re)start (a generation), each with a log of its
+// own.
+type cpKube struct {
+	idx    int
+	dir    string
+	port   int
+	bin    string
+	token  string
+	args   []string // all but --etcd-servers
+	gen    int
+	proc   *child
+	hc     *http.Client
+	cursor *logCursor   // the running generation's log
+	logs   []*logCursor // this phase's generations' logs
+
+	// The phase's accounting of its /metrics and its CPU time: acc holds
+	// what earlier generations did in the phase, base the running one's
+	// counters when the phase began (nil, 0: it started in the phase).
+	base, acc       counters
+	cpuBase, cpuAcc time.Duration
+}
+
+// cpu is the CPU time the running (or last) generation has used.
+func (k *cpKube) cpu() time.Duration {
+	if k.proc.alive() != nil {
+		return k.proc.cmd.ProcessState.UserTime() + k.proc.cmd.ProcessState.SystemTime()
+	}
+	d, _ := cpuOf(k.proc.cmd.Process.Pid)
+	return d
+}
+
+func (k *cpKube) certFile() string { return filepath.Join(k.dir, "certs", "apiserver.crt") }
+func (k *cpKube) url() string      { return fmt.Sprintf("https://127.0.0.1:%d", k.port) }
+
+// startKubes starts kubes at once, in front of etcdServers.
+func (cp *controlPlane) startKubes(b *testing.B, etcdServers string, kubes []*cpKube) {
+	b.Helper()
+	for _, k := range kubes {
+		k.gen++
+		name := fmt.Sprintf("kube-apiserver-%d.%d", k.idx, k.gen)
+		bin, args := k.bin, append(slices.Clone(k.args), "--etcd-servers="+etcdServers)
+		if cp.uts {
+			// A host of its own, by name: kube-apiserver names its
+			// identity Lease after its hostname, and kube-apiservers
+			// sharing one fight over it.
+			bin, args = "unshare", append([]string{"--uts", "--", "/bin/sh", "-c", `hostname "$0" && exec "$@"`,
+				fmt.Sprintf("kube-apiserver-%d", k.idx), k.bin}, args...)
+		}
+		k.proc = startChild(b, name, k.dir, bin, args)
+		k.cursor = &logCursor{path: k.proc.logPath}
+		k.logs = append(k.logs, k.cursor)
+	}
+}
+
+// stopKubes stops kubes at once (SIGTERM, as a rolling restart does);
+// account: in a phase, whose metrics are read first.
+func (cp *controlPlane) stopKubes(b *testing.B, kubes []*cpKube, account bool) {
+	b.Helper()
+	if account {
+		for _, k := range kubes {
+			if m, err := k.scrape(); err == nil {
+				k.acc.add(m, 1)
+				k.acc.add(k.base, -1)
+			} else {
+				b.Logf("kube-apiserver %d: its metrics before it stopped: %v", k.idx, err)
+			}
+			k.base = nil
+		}
+	}
+	var wg sync.WaitGroup
+	for _, k := range kubes {
+		wg.Go(func() { k.proc.stop(b) })
+	}
+	wg.Wait()
+	if account {
+		for _, k := range kubes {
+			k.cpuAcc += k.cpu() - k.cpuBase
+			k.cpuBase = 0
+		}
+	}
+}
+
+// waitReady waits until every one of kubes answers /readyz, and returns
+// how long that took.
+func (cp *controlPlane) waitReady(kubes []*cpKube) (time.Duration, error) {
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), *cpTimeout)
+	defer cancel()
+	errs := make(chan error, len(kubes))
+	for _, k := range kubes {
+		go func() { errs <- k.waitReady(ctx) }()
+	}
+	var first error
+	for range kubes {
+		if err := <-errs; err != nil && first == nil {
+			first = err
+			cancel()
+		}
+	}
+	return time.Since(start), first
+}
+
+func (k *cpKube) waitReady(ctx context.Context) error {
+	for {
+		if err := k.proc.alive(); err != nil {
+			return err
+		}
+		if k.hc == nil {
+			if pem, err := os.ReadFile(k.certFile()); err == nil {
+				pool := x509.NewCertPool()
+				if pool.AppendCertsFromPEM(pem) {
+					k.hc = &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{
+						TLSClientConfig:   &tls.Config{RootCAs: pool, ServerName: "127.0.0.1"},
+						DisableKeepAlives: true,
+					}}
+				}
+			}
+		}
+		if k.hc != nil {
+			if _, err := k.get(ctx, "/readyz"); err == nil {
+				return nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("kube-apiserver %d not ready: %v", k.idx, ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+func (k *cpKube) get(ctx context.Context, path string) ([]byte, error) {
+	req, err := http.NewRequestWithContext(ctx, "GET", k.url()+path, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Authorization", "Bearer "+k.token)
+	resp, err := k.hc.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := readAll(resp)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("%s: %s", path, resp.Status)
+	}
+	return body, nil
+}
