@@ -76,7 +76,7 @@ func TestReadinessFollowsTheLoad(t *testing.T) {
 
 	r.Restore()
 	servertest.WaitReady(t, p)
-	// Ready once the auth mirror's next probe (up to 250 ms after etcd
+	// Ready once the auth mirror's next probe (up to 500 ms after etcd
 	// is back) has learned etcd's auth state too.
 	testsupport.WaitFor(t, waitTimeout, "/readyz 200 after the load", func() bool {
 		code, _ := get("/readyz")
