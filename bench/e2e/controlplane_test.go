@@ -32,6 +32,7 @@ var (
 	cpRounds     = flag.Int("snapcache.e2e.cp-rounds", 1, "passes of the phases per side (direct,proxy, proxy,direct, ...)")
 	cpRate       = flag.Float64("snapcache.e2e.cp-rate", 1, "multiplies every rate of the load but the heartbeats")
 	cpWatchList  = flag.Bool("snapcache.e2e.cp-watchlist", false, "informers use watch-list (client-go's WatchListClient) instead of LIST then WATCH")
+	cpStormLoad  = flag.Bool("snapcache.e2e.cp-storm-load", true, "the load's writes and reads (kubelet heartbeats included) go on during start-storm and restart-all; false: they pause there (informers still start and catch up), so those phases measure the storm's own cost: the kube-apiservers' LISTs and watches")
 	cpTimeout    = flag.Duration("snapcache.e2e.cp-timeout", 10*time.Minute, "bound of each wait: kube-apiservers ready, informers synced or caught up (populating: three times it)")
 )
 
@@ -301,6 +302,7 @@ func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
 	}
 	ph.caughtUp = time.Since(ph.start)
 	out = append(out, cp.end(b, ph, load))
+	cp.pauseLoad(b, load, false)
 
 	ph = cp.begin(b, side, "steady")
 	for time.Since(ph.start) < *cpSteady {
@@ -309,13 +311,28 @@ func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
 	}
 	out = append(out, cp.end(b, ph, load))
 
+	cp.pauseLoad(b, load, true)
 	out = append(out, cp.restart(b, side, "restart-all", endpoint, cp.kubes, load))
+	cp.pauseLoad(b, load, false)
 	out = append(out, cp.restart(b, side, "restart-one", endpoint, cp.kubes[:1], load))
 
 	load.stop(b)
 	cp.load = nil
 	cp.stopKubes(b, cp.kubes, false)
 	return out
+}
+
+// pauseLoad pauses (or resumes) the load's writes and reads, with
+// -snapcache.e2e.cp-storm-load=false: around start-storm and restart-all.
+func (cp *controlPlane) pauseLoad(b *testing.B, load *kubeload, pause bool) {
+	b.Helper()
+	if *cpStormLoad {
+		return
+	}
+	cmd := map[bool]string{true: "pause", false: "resume"}[pause]
+	if r := load.do(b, cmd); !r.OK {
+		b.Fatalf("kubeload %s: %s", cmd, r.Error)
+	}
 }
 
 // restart is a restart phase: kubes stop and start again, all at once;

@@ -107,8 +107,9 @@ func (cp *controlPlane) report(b *testing.B, results []cpPhase) {
 	if !cp.uts {
 		shared = ", sharing a hostname"
 	}
-	fmt.Fprintf(&sb, "SUMMARY %s setup: %d kube-apiservers (watch cache on%s), %d nodes, %d informer clients per kube-apiserver%s, load rate x%g, %d round(s); %s\n",
-		b.Name(), len(cp.kubes), shared, *cpNodes, *cpInformers, map[bool]string{true: " (watch-list)"}[*cpWatchList], *cpRate, *cpRounds, cp.setup)
+	fmt.Fprintf(&sb, "SUMMARY %s setup: %d kube-apiservers (watch cache on%s), %d nodes, %d informer clients per kube-apiserver%s, load rate x%g (%s), %d round(s); %s\n",
+		b.Name(), len(cp.kubes), shared, *cpNodes, *cpInformers, map[bool]string{true: " (watch-list)"}[*cpWatchList], *cpRate,
+		map[bool]string{true: "on in every phase", false: "paused in start-storm and restart-all"}[*cpStormLoad], *cpRounds, cp.setup)
 	for _, name := range cpPhases {
 		sides := map[string]*cpAgg{}
 		for _, side := range []string{"direct", "proxy"} {
