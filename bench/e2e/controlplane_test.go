@@ -103,11 +103,18 @@ type controlPlane struct {
 	setup   string    // what was populated, for the SUMMARY
 	uts     bool      // each kube-apiserver runs in a UTS namespace of its own
 	load    *kubeload // the running load generator, if any
+
+	profDir  string      // where etcd's CPU profiles go (-snapcache.e2e.pprof)
+	profiles []cpProfile // etcd's CPU profiles of each side's steady phase
 }
 
 func newControlPlane(b *testing.B, kubeBin, loadBin string) *controlPlane {
 	cp := &controlPlane{kubeBin: kubeBin, loadBin: loadBin, dir: b.TempDir()}
-	cp.etcd = startEtcd(b)
+	var etcdArgs []string
+	if *cmpPprof {
+		etcdArgs = []string{"--enable-pprof"}
+	}
+	cp.etcd = startEtcd(b, etcdArgs...)
 	cp.loader = dial(b, cp.etcd.endpoint, nil, "", "")
 	cp.uts = exec.Command("unshare", "--uts", "--", "/bin/sh", "-c", "hostname kube-apiserver").Run() == nil
 	if !cp.uts {
@@ -305,11 +312,18 @@ func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
 	cp.pauseLoad(b, load, false)
 
 	ph = cp.begin(b, side, "steady")
+	var prof <-chan cpProfile
+	if *cmpPprof {
+		prof = cp.profileEtcd(side, "steady", round, *cpSteady)
+	}
 	for time.Since(ph.start) < *cpSteady {
 		time.Sleep(time.Second)
 		cp.checkAlive(b, load)
 	}
 	out = append(out, cp.end(b, ph, load))
+	if prof != nil {
+		cp.profiles = append(cp.profiles, <-prof)
+	}
 
 	cp.pauseLoad(b, load, true)
 	out = append(out, cp.restart(b, side, "restart-all", endpoint, cp.kubes, load))

@@ -196,6 +196,9 @@ func (cp *controlPlane) report(b *testing.B, results []cpPhase) {
 		b.ReportMetric(median(d.delayP99), short+"-direct-delay-p99-ms")
 		b.ReportMetric(median(p.delayP99), short+"-proxy-delay-p99-ms")
 	}
+	for _, p := range cp.profiles {
+		sb.WriteString(profileSummary(b, p))
+	}
 	fmt.Fprint(os.Stdout, sb.String())
 }
 
