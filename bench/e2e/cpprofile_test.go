@@ -98,8 +98,13 @@ func goTool() string {
 }
 
 // cpProfileFrames are the frames of etcd's work worth listing in the top
-// by cumulative share.
-var cpProfileFrames = regexp.MustCompile(`etcdserver|v3rpc|mvcc|backend|raft|wal|lease|bbolt|grpc|http2|runtime\.(gcBgMarkWorker|bgsweep|bgscavenge|mallocgc|memmove|futex|netpoll|findRunnable)|syscall\.`)
+// by cumulative share, but for the wrappers cpProfileWrappers matches
+// (gRPC's handlers and interceptors, the apply's scheduler), which every
+// request or apply goes through.
+var (
+	cpProfileFrames   = regexp.MustCompile(`etcdserver|v3rpc|mvcc|backend|raft|wal|lease|bbolt|grpc|http2|runtime\.(gcBgMarkWorker|mallocgc|memmove)$`)
+	cpProfileWrappers = regexp.MustCompile(`grpc\.\(\*Server\)|Interceptor|getChainUnaryHandler|chainUnaryInterceptors|chainStreamInterceptors|schedule\.|\(\*EtcdServer\)\.run\.func|NewServerTransport\.func|\.func[0-9.]+$|Handler\.func1$|quotaKVServer`)
+)
 
 // profileTop is `go tool pprof -top -cum` of path, only the lines of the
 // frames cpProfileFrames matches, at most n.
@@ -115,7 +120,7 @@ func profileTop(path string, n int) ([]string, error) {
 		if len(f) < 6 || !strings.HasSuffix(f[4], "%") {
 			continue
 		}
-		if fn := strings.Join(f[5:], " "); cpProfileFrames.MatchString(fn) {
+		if fn := strings.Join(f[5:], " "); cpProfileFrames.MatchString(fn) && !cpProfileWrappers.MatchString(fn) {
 			top = append(top, fmt.Sprintf("%s %s", f[4], fn))
 		}
 	}
@@ -130,14 +135,17 @@ var cpProfileKinds = []struct {
 }{
 	// Reads: Range (serializable or linearizable, its ReadIndex wait
 	// included), read-only Txns.
-	{"range", regexp.MustCompile(`v3rpc\.\(\*kvServer\)\.Range|\(\*EtcdServer\)\.Range|\(\*EtcdServer\)\.linearizableReadLoop|\(\*EtcdServer\)\.requestCurrentIndex`)},
+	{"range", regexp.MustCompile(`_KV_Range_Handler|v3rpc\.\(\*kvServer\)\.Range|\(\*EtcdServer\)\.Range|\(\*EtcdServer\)\.linearizableReadLoop|\(\*EtcdServer\)\.requestCurrentIndex`)},
 	// Watchers: notifying them of writes, syncing unsynced ones, sending events.
-	{"watch", regexp.MustCompile(`\(\*watchableStore\)\.(notify|sync|moveVictims)|serverWatchStream|v3rpc\.\(\*watchServer\)|mvcc\.\(\*watchStream\)|watcherGroup|newWatcherBatch|\(\*watcher\)\.send`)},
+	{"watch", regexp.MustCompile(`_Watch_Watch_Handler|\(\*watchableStore\)\.(notify|sync|moveVictims)|serverWatchStream|v3rpc\.\(\*watchServer\)|mvcc\.\(\*watchStream\)|watcherGroup|newWatcherBatch|\(\*watcher\)\.send`)},
 	// Writes: Txns, Puts and Deletes through raft, the apply, the backend's commits, the WAL.
-	{"apply", regexp.MustCompile(`v3rpc\.\(\*kvServer\)\.(Txn|Put|DeleteRange)|\(\*EtcdServer\)\.(Txn|Put|DeleteRange|apply|processInternalRaftRequest|raftRequest)|\(\*raftNode\)|go\.etcd\.io/raft|etcdserver/api/rafthttp|/wal\.|backend\.\(\*(backend|batchTx)|bbolt\.\(\*(Tx|DB)\)\.(Commit|commit|spill)|applier|uberApplier|\(\*applierV3`)},
+	{"apply", regexp.MustCompile(`_KV_(Txn|Put|DeleteRange)_Handler|v3rpc\.\(\*kvServer\)\.(Txn|Put|DeleteRange)|\(\*EtcdServer\)\.(Txn|Put|DeleteRange|apply|processInternalRaftRequest|raftRequest)|\(\*raftNode\)|go\.etcd\.io/raft|etcdserver/api/rafthttp|/wal\.|backend\.\(\*(backend|batchTx)|bbolt\.\(\*(Tx|DB)\)\.(Commit|commit|spill)|applier|uberApplier|\(\*applierV3`)},
 	{"lease", regexp.MustCompile(`/lease\.|LeaseGrant|LeaseRevoke|LeaseKeepAlive|leaseServer`)},
 	{"compact", regexp.MustCompile(`(?i)compact|defrag`)},
-	// The rest of gRPC: the transport, HTTP/2 framing, TLS.
+	// gRPC's writes to its connections (loopyWriter: every response and
+	// watch event goes out there, whoever the stream's).
+	{"grpc-send", regexp.MustCompile(`transport\.\(\*loopyWriter\)`)},
+	// The rest of gRPC: reading and decoding frames, HTTP/2, TLS.
 	{"grpc", regexp.MustCompile(`google\.golang\.org/grpc|golang\.org/x/net/http2|crypto/tls`)},
 	{"gc", regexp.MustCompile(`runtime\.(gcBgMarkWorker|bgsweep|bgscavenge|gcStart|markroot|GC)`)},
 }
@@ -208,8 +216,20 @@ func classifyTraces(out string) (map[string]time.Duration, time.Duration) {
 	return by, total
 }
 
+// TestProfileSummary prints the PROFILE lines of the profiles in
+// $CP_PPROF_FILES (space-separated): to look again at those a run saved.
+func TestProfileSummary(t *testing.T) {
+	files := strings.Fields(os.Getenv("CP_PPROF_FILES"))
+	if len(files) == 0 {
+		t.Skip("no $CP_PPROF_FILES")
+	}
+	for _, f := range files {
+		fmt.Print(profileSummary(t, cpProfile{side: strings.TrimSuffix(filepath.Base(f), ".pprof"), phase: "-", path: f}))
+	}
+}
+
 // profileSummary is the PROFILE lines of a profile.
-func profileSummary(b *testing.B, p cpProfile) string {
+func profileSummary(b testing.TB, p cpProfile) string {
 	var sb strings.Builder
 	if p.err != nil || p.path == "" {
 		fmt.Fprintf(&sb, "PROFILE %s %s etcd: none: %v\n", p.side, p.phase, p.err)
@@ -220,12 +240,15 @@ func profileSummary(b *testing.B, p cpProfile) string {
 		fmt.Fprintf(&sb, "PROFILE %s %s etcd: %s: %v\n", p.side, p.phase, p.path, err)
 		return sb.String()
 	}
+	// Each kind's share, and its CPU seconds per second of the profile.
 	var parts []string
-	for _, k := range cpProfileKinds {
-		parts = append(parts, fmt.Sprintf("%s %.0f%%", k.name, 100*shares[k.name]))
+	for _, k := range append(cpProfileKinds, struct {
+		name string
+		re   *regexp.Regexp
+	}{name: "other"}) {
+		parts = append(parts, fmt.Sprintf("%s %.0f%% (%.3f s/s)", k.name, 100*shares[k.name], shares[k.name]*total.Seconds()/cpProfileSecs))
 	}
-	parts = append(parts, fmt.Sprintf("other %.0f%%", 100*shares["other"]))
-	fmt.Fprintf(&sb, "PROFILE %s %s etcd (%v of samples in %ds, %s): %s\n", p.side, p.phase, total, cpProfileSecs, p.path, strings.Join(parts, "  "))
+	fmt.Fprintf(&sb, "PROFILE %s %s etcd: %.3f s/s of samples in %ds: %s  [%s]\n", p.side, p.phase, total.Seconds()/cpProfileSecs, cpProfileSecs, strings.Join(parts, "  "), p.path)
 	top, err := profileTop(p.path, 15)
 	if err != nil {
 		b.Logf("%s: %v", p.path, err)

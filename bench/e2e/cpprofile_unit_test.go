@@ -33,7 +33,7 @@ Duration: 20s, Total samples = 100ms ( 0.5%)
 `
 	by, total := classifyTraces(out)
 	ms := func(f float64) time.Duration { return time.Duration(f * float64(time.Millisecond)) }
-	want := map[string]time.Duration{"range": ms(30), "watch": ms(20), "apply": ms(10), "grpc": ms(1.5), "gc": ms(10), "other": ms(28.5)}
+	want := map[string]time.Duration{"range": ms(30), "watch": ms(20), "apply": ms(10), "grpc": ms(1.5), "gc": ms(10), "other": ms(28.5), "grpc-send": 0}
 	if total != ms(100) {
 		t.Errorf("total %v, want 100ms", total)
 	}
