@@ -32,6 +32,8 @@ var (
 	cpRounds     = flag.Int("snapcache.e2e.cp-rounds", 1, "passes of the phases per side (direct,proxy, proxy,direct, ...)")
 	cpRate       = flag.Float64("snapcache.e2e.cp-rate", 1, "multiplies every rate of the load but the heartbeats")
 	cpWatchList  = flag.Bool("snapcache.e2e.cp-watchlist", false, "informers use watch-list (client-go's WatchListClient) instead of LIST then WATCH")
+	cpStormLoad  = flag.Bool("snapcache.e2e.cp-storm-load", true, "the load's writes and reads (kubelet heartbeats included) go on during start-storm and restart-all; false: they pause there (informers still start and catch up), so those phases measure the storm's own cost: the kube-apiservers' LISTs and watches")
+	cpTopology   = flag.String("snapcache.e2e.cp-topology", "shared", "the proxy side's proxies: shared (one proxy in front of etcd for every kube-apiserver), sidecar (one per kube-apiserver, each in front of etcd) or tiered (one in front of etcd, and one per kube-apiserver in front of it)")
 	cpTimeout    = flag.Duration("snapcache.e2e.cp-timeout", 10*time.Minute, "bound of each wait: kube-apiservers ready, informers synced or caught up (populating: three times it)")
 )
 
@@ -90,7 +92,8 @@ func BenchmarkControlPlane(b *testing.B) {
 // the load.
 type controlPlane struct {
 	etcd    *etcdProcess
-	proxy   *proxyProcess // started once the data is in, and kept running
+	proxies []*proxyProcess // started once the data is in, and kept running; the inner one first
+	front   []*proxyProcess // the proxy each kube-apiserver is in front of, by index
 	loader  *clientv3.Client
 	kubes   []*cpKube
 	kubeBin string
@@ -102,11 +105,18 @@ type controlPlane struct {
 	setup   string    // what was populated, for the SUMMARY
 	uts     bool      // each kube-apiserver runs in a UTS namespace of its own
 	load    *kubeload // the running load generator, if any
+
+	profDir  string      // where etcd's CPU profiles go (-snapcache.e2e.pprof)
+	profiles []cpProfile // etcd's CPU profiles of each side's steady phase
 }
 
 func newControlPlane(b *testing.B, kubeBin, loadBin string) *controlPlane {
 	cp := &controlPlane{kubeBin: kubeBin, loadBin: loadBin, dir: b.TempDir()}
-	cp.etcd = startEtcd(b)
+	var etcdArgs []string
+	if *cmpPprof {
+		etcdArgs = []string{"--enable-pprof"}
+	}
+	cp.etcd = startEtcd(b, etcdArgs...)
 	cp.loader = dial(b, cp.etcd.endpoint, nil, "", "")
 	cp.uts = exec.Command("unshare", "--uts", "--", "/bin/sh", "-c", "hostname kube-apiserver").Run() == nil
 	if !cp.uts {
@@ -150,7 +160,7 @@ func copyFile(tb testing.TB, from, to string) {
 // (then stopped), compacts etcd, and starts the proxy, which loads them.
 func (cp *controlPlane) populate(b *testing.B) {
 	start := time.Now()
-	cp.startKubes(b, cp.etcd.endpoint, cp.kubes)
+	cp.startKubes(b, "direct", cp.kubes)
 	if _, err := cp.waitReady(cp.kubes); err != nil {
 		b.Fatal(err)
 	}
@@ -228,9 +238,63 @@ func (cp *controlPlane) populate(b *testing.B) {
 		b.Fatalf("kubeload populate: %d errors: %v", res.Errors, res.Samples)
 	}
 
-	cp.proxy = startProxyProcess(b, cp.etcd.endpoint)
-	cp.sampler.setProxy(cp.proxy.cmd.Process.Pid)
-	cp.waitProxy(b, head)
+	cp.startProxies(b, head)
+}
+
+// startProxies starts the proxies of -snapcache.e2e.cp-topology, each once
+// the one it is in front of has reached revision head.
+func (cp *controlPlane) startProxies(b *testing.B, head int64) {
+	b.Helper()
+	switch *cpTopology {
+	case "shared":
+		p := startProxyProcess(b, cp.etcd.endpoint)
+		cp.proxies = []*proxyProcess{p}
+		for range cp.kubes {
+			cp.front = append(cp.front, p)
+		}
+	case "sidecar":
+		for range cp.kubes {
+			p := startProxyProcess(b, cp.etcd.endpoint)
+			cp.proxies = append(cp.proxies, p)
+			cp.front = append(cp.front, p)
+		}
+	case "tiered":
+		inner := startProxyProcess(b, cp.etcd.endpoint)
+		cp.proxies = []*proxyProcess{inner}
+		cp.waitProxies(b, head)
+		for range cp.kubes {
+			p := startProxyProcess(b, inner.endpoint)
+			cp.proxies = append(cp.proxies, p)
+			cp.front = append(cp.front, p)
+		}
+	default:
+		b.Fatalf("-snapcache.e2e.cp-topology=%s: shared, sidecar or tiered", *cpTopology)
+	}
+	var pids []int
+	for _, p := range cp.proxies {
+		pids = append(pids, p.cmd.Process.Pid)
+	}
+	cp.sampler.setProxies(pids)
+	cp.waitProxies(b, head)
+}
+
+// fronts are the proxies kube-apiservers are in front of, each once.
+func (cp *controlPlane) fronts() []*proxyProcess {
+	var out []*proxyProcess
+	for _, p := range cp.front {
+		if !slices.Contains(out, p) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// endpoint is what kube-apiserver k is in front of on side.
+func (cp *controlPlane) endpoint(side string, k *cpKube) string {
+	if side == "proxy" {
+		return cp.front[k.idx].endpoint
+	}
+	return cp.etcd.endpoint
 }
 
 // progress prints a line at once: a benchmark's log comes out when it ends.
@@ -261,33 +325,33 @@ func (cp *controlPlane) compact(b *testing.B, rev int64) {
 	}
 }
 
-// waitProxy waits until the proxy's cache has applied rev.
-func (cp *controlPlane) waitProxy(b *testing.B, rev int64) {
+// waitProxies waits until every proxy's cache has applied rev.
+func (cp *controlPlane) waitProxies(b *testing.B, rev int64) {
 	b.Helper()
-	testsupport.Poll(b, *cpTimeout, 50*time.Millisecond, fmt.Sprintf("the proxy's cache to reach revision %d", rev), func() (bool, error) {
-		if err := cp.proxy.alive(); err != nil {
-			b.Fatal(err)
-		}
-		at := int64(cp.proxy.metrics(b).sum("etcd_snapcache_cache_revision"))
-		return at >= rev, fmt.Errorf("at revision %d", at)
-	})
+	for i, p := range cp.proxies {
+		testsupport.Poll(b, *cpTimeout, 50*time.Millisecond, fmt.Sprintf("proxy %d's cache to reach revision %d", i, rev), func() (bool, error) {
+			if err := p.alive(); err != nil {
+				b.Fatal(err)
+			}
+			at := int64(p.metrics(b).sum("etcd_snapcache_cache_revision"))
+			return at >= rev, fmt.Errorf("at revision %d", at)
+		})
+	}
 }
 
 // pass runs the phases on one side: the kube-apiservers in front of etcd
 // ("direct") or of the proxy.
 func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
-	endpoint := cp.etcd.endpoint
 	head := cp.head(b)
 	cp.compact(b, head)
 	if side == "proxy" {
-		endpoint = cp.proxy.endpoint
-		cp.waitProxy(b, head)
+		cp.waitProxies(b, head)
 	}
 	var out []cpPhase
 
 	// All kube-apiservers starting at once, then the clients.
 	ph := cp.begin(b, side, "start-storm")
-	cp.startKubes(b, endpoint, cp.kubes)
+	cp.startKubes(b, side, cp.kubes)
 	if _, err := cp.waitReady(cp.kubes); err != nil {
 		b.Fatal(err)
 	}
@@ -301,16 +365,26 @@ func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
 	}
 	ph.caughtUp = time.Since(ph.start)
 	out = append(out, cp.end(b, ph, load))
+	cp.pauseLoad(b, load, false)
 
 	ph = cp.begin(b, side, "steady")
+	var prof <-chan cpProfile
+	if *cmpPprof {
+		prof = cp.profileEtcd(side, "steady", round, *cpSteady)
+	}
 	for time.Since(ph.start) < *cpSteady {
 		time.Sleep(time.Second)
 		cp.checkAlive(b, load)
 	}
 	out = append(out, cp.end(b, ph, load))
+	if prof != nil {
+		cp.profiles = append(cp.profiles, <-prof)
+	}
 
-	out = append(out, cp.restart(b, side, "restart-all", endpoint, cp.kubes, load))
-	out = append(out, cp.restart(b, side, "restart-one", endpoint, cp.kubes[:1], load))
+	cp.pauseLoad(b, load, true)
+	out = append(out, cp.restart(b, side, "restart-all", cp.kubes, load))
+	cp.pauseLoad(b, load, false)
+	out = append(out, cp.restart(b, side, "restart-one", cp.kubes[:1], load))
 
 	load.stop(b)
 	cp.load = nil
@@ -318,13 +392,26 @@ func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
 	return out
 }
 
+// pauseLoad pauses (or resumes) the load's writes and reads, with
+// -snapcache.e2e.cp-storm-load=false: around start-storm and restart-all.
+func (cp *controlPlane) pauseLoad(b *testing.B, load *kubeload, pause bool) {
+	b.Helper()
+	if *cpStormLoad {
+		return
+	}
+	cmd := map[bool]string{true: "pause", false: "resume"}[pause]
+	if r := load.do(b, cmd); !r.OK {
+		b.Fatalf("kubeload %s: %s", cmd, r.Error)
+	}
+}
+
 // restart is a restart phase: kubes stop and start again, all at once;
 // the phase goes on until they are ready, every informer has caught up (a
 // barrier) and -snapcache.e2e.cp-settle has passed.
-func (cp *controlPlane) restart(b *testing.B, side, name, endpoint string, kubes []*cpKube, load *kubeload) cpPhase {
+func (cp *controlPlane) restart(b *testing.B, side, name string, kubes []*cpKube, load *kubeload) cpPhase {
 	ph := cp.begin(b, side, name)
 	cp.stopKubes(b, kubes, true)
-	cp.startKubes(b, endpoint, kubes)
+	cp.startKubes(b, side, kubes)
 	if _, err := cp.waitReady(kubes); err != nil {
 		b.Fatal(err)
 	}
@@ -343,7 +430,11 @@ func (cp *controlPlane) restart(b *testing.B, side, name, endpoint string, kubes
 
 func (cp *controlPlane) checkAlive(b *testing.B, load *kubeload) {
 	b.Helper()
-	for _, c := range []*child{cp.etcd.child, cp.proxy.child} {
+	cs := []*child{cp.etcd.child}
+	for _, p := range cp.proxies {
+		cs = append(cs, p.child)
+	}
+	for _, c := range cs {
 		if err := c.alive(); err != nil {
 			b.Fatal(err)
 		}
@@ -393,13 +484,14 @@ func (k *cpKube) cpu() time.Duration {
 func (k *cpKube) certFile() string { return filepath.Join(k.dir, "certs", "apiserver.crt") }
 func (k *cpKube) url() string      { return fmt.Sprintf("https://127.0.0.1:%d", k.port) }
 
-// startKubes starts kubes at once, in front of etcdServers.
-func (cp *controlPlane) startKubes(b *testing.B, etcdServers string, kubes []*cpKube) {
+// startKubes starts kubes at once, in front of etcd ("direct") or their
+// proxies (side "proxy").
+func (cp *controlPlane) startKubes(b *testing.B, side string, kubes []*cpKube) {
 	b.Helper()
 	for _, k := range kubes {
 		k.gen++
 		name := fmt.Sprintf("kube-apiserver-%d.%d", k.idx, k.gen)
-		bin, args := k.bin, append(slices.Clone(k.args), "--etcd-servers="+etcdServers)
+		bin, args := k.bin, append(slices.Clone(k.args), "--etcd-servers="+cp.endpoint(side, k))
 		if cp.uts {
 			// A host of its own, by name: kube-apiserver names its
 			// identity Lease after its hostname, and kube-apiservers

@@ -58,6 +58,8 @@ func (cp *controlPlane) startLoad(b *testing.B, side string, round int) *kubeloa
 		"-informers="+strconv.Itoa(*cpInformers),
 		"-rate-scale="+strconv.FormatFloat(*cpRate, 'g', -1, 64),
 		"-watch-list="+strconv.FormatBool(*cpWatchList),
+		// Without the load in the storms, it starts paused: start-storm.
+		"-paused="+strconv.FormatBool(!*cpStormLoad),
 		"-wait-timeout="+cpTimeout.String())
 	l.cmd.Stderr = logf
 	// The informers' LISTs of 100k objects come all at once after a

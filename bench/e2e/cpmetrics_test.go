@@ -28,7 +28,8 @@ type cpPhase struct {
 
 	etcdCPU0, proxyCPU0 time.Duration
 	loadCPU0            time.Duration
-	etcd0, proxy0       metricSet
+	etcd0               metricSet
+	cached0, forwarded0 float64
 
 	etcdCPU, proxyCPU     time.Duration
 	kubeCPU, loadCPU      time.Duration // every kube-apiserver's; the load generator's
@@ -61,13 +62,16 @@ func (cp *controlPlane) begin(b *testing.B, side, name string) *cpPhase {
 		}
 	}
 	clearPeak(cp.etcd.cmd.Process.Pid)
-	clearPeak(cp.proxy.cmd.Process.Pid)
+	for _, p := range cp.proxies {
+		clearPeak(p.cmd.Process.Pid)
+	}
 	cp.sampler.reset()
-	ph.etcdCPU0, ph.proxyCPU0 = processCPU(b, cp.etcd.pid()), processCPU(b, cp.proxy.pid())
+	ph.etcdCPU0, ph.proxyCPU0 = processCPU(b, cp.etcd.pid()), cp.proxiesCPU(b)
 	if cp.load != nil {
 		ph.loadCPU0, _ = cpuOf(cp.load.cmd.Process.Pid)
 	}
-	ph.etcd0, ph.proxy0 = cp.etcd.metrics(b), cp.proxy.metrics(b)
+	ph.etcd0 = cp.etcd.metrics(b)
+	ph.cached0, ph.forwarded0 = cp.proxiesRanges(b)
 	ph.start = time.Now()
 	progress("%s %s: begins", side, name)
 	return ph
@@ -82,22 +86,26 @@ func (cp *controlPlane) end(b *testing.B, ph *cpPhase, load *kubeload) cpPhase {
 	}
 	ph.secs = time.Since(ph.start).Seconds()
 	ph.etcdCPU = processCPU(b, cp.etcd.pid()) - ph.etcdCPU0
-	ph.proxyCPU = processCPU(b, cp.proxy.pid()) - ph.proxyCPU0
+	ph.proxyCPU = cp.proxiesCPU(b) - ph.proxyCPU0
 	if d, err := cpuOf(load.cmd.Process.Pid); err == nil {
 		ph.loadCPU = d - ph.loadCPU0
 	}
-	em, pm := cp.etcd.metrics(b), cp.proxy.metrics(b)
+	em := cp.etcd.metrics(b)
 	ph.etcdReqs = byLabel(em, "grpc_server_handled_total", "grpc_method")
 	for m, v := range byLabel(ph.etcd0, "grpc_server_handled_total", "grpc_method") {
 		ph.etcdReqs[m] -= v
 	}
 	ph.watchers = em.sum("etcd_debugging_mvcc_watcher_total")
-	ph.cached = pm.sum("etcd_snapcache_range_requests_total", `source="cache"`) - ph.proxy0.sum("etcd_snapcache_range_requests_total", `source="cache"`)
-	ph.forwarded = pm.sum("etcd_snapcache_range_requests_total", `source="forwarded"`) - ph.proxy0.sum("etcd_snapcache_range_requests_total", `source="forwarded"`)
+	cached, forwarded := cp.proxiesRanges(b)
+	ph.cached, ph.forwarded = cached-ph.cached0, forwarded-ph.forwarded0
 	etcdMax, proxyMax, watchersMax := cp.sampler.take()
 	ph.watchersMax = max(watchersMax, ph.watchers)
 	ph.etcdRSS, ph.etcdPeak = memOf(cp.etcd.cmd.Process.Pid)
-	ph.proxyRSS, ph.proxyPeak = memOf(cp.proxy.cmd.Process.Pid)
+	for _, p := range cp.proxies {
+		rss, peak := memOf(p.cmd.Process.Pid)
+		ph.proxyRSS += rss
+		ph.proxyPeak += peak
+	}
 	ph.etcdPeak, ph.proxyPeak = max(ph.etcdPeak, etcdMax), max(ph.proxyPeak, proxyMax)
 	for _, k := range cp.kubes {
 		m, err := k.scrape()
@@ -116,6 +124,26 @@ func (cp *controlPlane) end(b *testing.B, ph *cpPhase, load *kubeload) cpPhase {
 	progress("%s %s: %.1fs, etcd cpu %.2f s/s, peak rss %.0f MiB, watchers %.0f; informer delay p99 %.0f ms; kube-apiserver log errors %d relists %d",
 		ph.side, ph.name, ph.secs, ph.etcdCPU.Seconds()/ph.secs, inMiB(ph.etcdPeak), ph.watchers, ph.load.Delay.P99, ph.logs.errors, ph.logs.relists)
 	return *ph
+}
+
+// proxiesCPU is the CPU time every proxy has used.
+func (cp *controlPlane) proxiesCPU(b *testing.B) time.Duration {
+	var d time.Duration
+	for _, p := range cp.proxies {
+		d += processCPU(b, p.pid())
+	}
+	return d
+}
+
+// proxiesRanges is the Ranges the kube-apiservers' proxies answered from
+// their caches and forwarded, so far.
+func (cp *controlPlane) proxiesRanges(b *testing.B) (cached, forwarded float64) {
+	for _, p := range cp.fronts() {
+		m := p.metrics(b)
+		cached += m.sum("etcd_snapcache_range_requests_total", `source="cache"`)
+		forwarded += m.sum("etcd_snapcache_range_requests_total", `source="forwarded"`)
+	}
+	return cached, forwarded
 }
 
 // counters is a set of counters by key, that phases add and subtract.
@@ -296,7 +324,8 @@ func (c counters) codes() (fivexx, tooMany float64) {
 // etcd's watchers (every 2 s) for the phases' maxima.
 type sampler struct {
 	mu                sync.Mutex
-	etcdPid, proxyPid int
+	etcdPid           int
+	proxyPids         []int
 	etcdMax, proxyMax int64
 	watchersMax       float64
 	metricsURL        string
@@ -316,12 +345,13 @@ func startSampler(b *testing.B, cp *controlPlane) *sampler {
 			case <-t.C:
 			}
 			s.mu.Lock()
-			ep, pp := s.etcdPid, s.proxyPid
+			ep, pps := s.etcdPid, s.proxyPids
 			s.mu.Unlock()
 			e, _ := memOf(ep)
-			p := int64(0)
-			if pp != 0 {
-				p, _ = memOf(pp)
+			p := int64(0) // every proxy's
+			for _, pp := range pps {
+				r, _ := memOf(pp)
+				p += r
 			}
 			w := -1.0
 			if i%8 == 0 {
@@ -343,10 +373,10 @@ func startSampler(b *testing.B, cp *controlPlane) *sampler {
 	return s
 }
 
-func (s *sampler) setProxy(pid int) {
+func (s *sampler) setProxies(pids []int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.proxyPid = pid
+	s.proxyPids = pids
 }
 
 func (s *sampler) reset() {

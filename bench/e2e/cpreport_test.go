@@ -107,8 +107,9 @@ func (cp *controlPlane) report(b *testing.B, results []cpPhase) {
 	if !cp.uts {
 		shared = ", sharing a hostname"
 	}
-	fmt.Fprintf(&sb, "SUMMARY %s setup: %d kube-apiservers (watch cache on%s), %d nodes, %d informer clients per kube-apiserver%s, load rate x%g, %d round(s); %s\n",
-		b.Name(), len(cp.kubes), shared, *cpNodes, *cpInformers, map[bool]string{true: " (watch-list)"}[*cpWatchList], *cpRate, *cpRounds, cp.setup)
+	fmt.Fprintf(&sb, "SUMMARY %s setup: %d kube-apiservers (watch cache on%s), %d nodes, %d informer clients per kube-apiserver%s, load rate x%g (%s), proxy topology %s (%s), %d round(s); %s\n",
+		b.Name(), len(cp.kubes), shared, *cpNodes, *cpInformers, map[bool]string{true: " (watch-list)"}[*cpWatchList], *cpRate,
+		map[bool]string{true: "on in every phase", false: "paused in start-storm and restart-all"}[*cpStormLoad], *cpTopology, cp.proxiesDesc(), *cpRounds, cp.setup)
 	for _, name := range cpPhases {
 		sides := map[string]*cpAgg{}
 		for _, side := range []string{"direct", "proxy"} {
@@ -140,7 +141,8 @@ func (cp *controlPlane) report(b *testing.B, results []cpPhase) {
 				if a.cached+a.forwarded > 0 {
 					cache = fmt.Sprintf("  Ranges from its cache %.1f%% of %.0f", 100*a.cached/(a.cached+a.forwarded), a.cached+a.forwarded)
 				}
-				fmt.Fprintf(&sb, "SUMMARY   %s proxy: cpu %.3f s/s  rss %.0f MiB (peak %.0f)%s\n", pad, a.proxyCPUps(), inMiB(a.proxyRSS), inMiB(a.proxyPeak), cache)
+				fmt.Fprintf(&sb, "SUMMARY   %s proxy: cpu %.3f s/s  rss %.0f MiB (peak %.0f), summed over %d proxies (%s)%s\n",
+					pad, a.proxyCPUps(), inMiB(a.proxyRSS), inMiB(a.proxyPeak), len(cp.proxies), *cpTopology, cache)
 			}
 			fivexx, tooMany := a.kube.codes()
 			var lat []string
@@ -195,7 +197,21 @@ func (cp *controlPlane) report(b *testing.B, results []cpPhase) {
 		b.ReportMetric(median(d.delayP99), short+"-direct-delay-p99-ms")
 		b.ReportMetric(median(p.delayP99), short+"-proxy-delay-p99-ms")
 	}
+	for _, p := range cp.profiles {
+		sb.WriteString(profileSummary(b, p))
+	}
 	fmt.Fprint(os.Stdout, sb.String())
+}
+
+// proxiesDesc says what the proxies are in front of.
+func (cp *controlPlane) proxiesDesc() string {
+	switch *cpTopology {
+	case "sidecar":
+		return fmt.Sprintf("%d proxies, one per kube-apiserver, each in front of etcd", len(cp.proxies))
+	case "tiered":
+		return fmt.Sprintf("%d proxies: one in front of etcd, and one per kube-apiserver in front of it", len(cp.proxies))
+	}
+	return "one proxy in front of etcd for every kube-apiserver"
 }
 
 // fmtReqs is etcd's requests per second by gRPC method, the most first

@@ -145,7 +145,28 @@
 //     mostly the machine's. About 15 minutes at the defaults on 2 cores; a
 //     smoke run: -snapcache.e2e.cp-objects=5000
 //     -snapcache.e2e.cp-apiservers=2 -snapcache.e2e.cp-steady=20s
-//     -snapcache.e2e.cp-settle=5s.
+//     -snapcache.e2e.cp-settle=5s. With -snapcache.e2e.cp-storm-load=false
+//     the load's writes and reads (the Lease renewals too) pause in
+//     start-storm and restart-all (the informers still start, sync and
+//     catch up; the barriers still write): those phases then measure the
+//     storm's own cost, the kube-apiservers' LISTs and watches; the load
+//     resumes before steady and restart-one. -snapcache.e2e.cp-topology
+//     sets the proxy side's proxies: shared (one proxy in front of etcd for
+//     every kube-apiserver, the default), sidecar (one per kube-apiserver,
+//     each in front of etcd) or tiered (one in front of etcd, and one per
+//     kube-apiserver in front of it); the proxy's CPU and memory are then
+//     summed over every proxy. With -snapcache.e2e.pprof, etcd runs with
+//     --enable-pprof and a 20 s CPU profile of it is taken in the middle of
+//     each side's steady phase, saved under $TMPDIR (cp-pprof-*; its path
+//     printed); PROFILE lines give the share of its samples by what each
+//     stack does (range: Range and read-only Txns; watch: notifying,
+//     syncing and sending to watchers; apply: Txns, Puts and Deletes,
+//     raft, the apply, the backend's commits, the WAL; lease; compact;
+//     grpc-send: gRPC's writes to its connections, every response's and
+//     watch event's; grpc: the rest of gRPC's transport; gc; other), each
+//     also as CPU s/s, and the top frames by cumulative share (`go tool
+//     pprof -top -cum`, but for gRPC's and the apply's wrappers); `go test
+//     -run TestProfileSummary` with $CP_PPROF_FILES reads saved ones again.
 //   - BenchmarkHistoryMemory: the proxy's heap per retained revision,
 //     without a history budget, and its heap under a budget
 //     (--max-history-bytes). Here the proxy runs in the benchmark's
@@ -179,7 +200,7 @@
 // .kube-objects, .kube-value, .kube-clients, .kube-page;
 // BenchmarkControlPlane's -snapcache.e2e.cp-objects, .cp-apiservers,
 // .cp-nodes, .cp-informers, .cp-steady, .cp-settle, .cp-rounds, .cp-rate,
-// .cp-watchlist, .cp-timeout; BenchmarkHistoryMemory's
+// .cp-watchlist, .cp-storm-load, .cp-topology, .cp-timeout (and .pprof); BenchmarkHistoryMemory's
 // -snapcache.e2e.keys, .revisions, .value, .budget, .writers. $ETCD_BIN
 // overrides the etcd binary, $SNAPCACHE_BIN the proxy's,
 // $KUBE_APISERVER_BIN kube-apiserver's, $KUBELOAD_BIN the load

@@ -24,6 +24,10 @@
 //   - synced: wait until every informer has synced;
 //   - barrier: write a token on a barrier object of each resource and wait
 //     until every informer has seen it (every informer is caught up);
+//   - pause: start no more ops of the workload (heartbeats, writes, reads;
+//     those in flight go on), until resume; informers go on, and barriers
+//     still write (-paused: the workload starts paused);
+//   - resume: start the workload's ops again;
 //   - report: what was measured since the last report (op latencies and
 //     errors, informer event delays, informers' lists, watches and
 //     errors), and start over;
@@ -78,6 +82,7 @@ func main() {
 	get := fs.Float64("get-rate", 20, "run: GETs per second")
 	list := fs.Float64("list-rate", 5, "run: consistent LISTs of a namespace per second")
 	listRV := fs.Float64("list-rv-rate", 5, "run: LISTs of a namespace at a resourceVersion of the last minute per second")
+	paused := fs.Bool("paused", false, "run: the workload starts paused (until a resume command)")
 	fs.Parse(os.Args[2:])
 
 	cl, err := newCluster(*servers, *ca, *token)
@@ -117,6 +122,7 @@ func main() {
 		os.Exit(1)
 	}
 	s := *scale
+	w.paused.Store(*paused)
 	w.start(ctx, rates{
 		heartbeat: *heartbeat,
 		podStatus: s * *podStatus, cmUpdate: s * *cmUpdate, nodeUpdate: s * *nodeUpdate,
@@ -148,6 +154,10 @@ func main() {
 				r.OK, r.Error = false, err.Error()
 			}
 			wcancel()
+		case "pause":
+			w.paused.Store(true)
+		case "resume":
+			w.paused.Store(false)
 		case "report":
 			rep := st.take(start.Sub(last).Seconds())
 			last = start

@@ -36,6 +36,7 @@ type workload struct {
 	ops     sync.WaitGroup
 	runID   string
 	seq     atomic.Int64
+	paused  atomic.Bool // no op starts (the heartbeats', the writes', the reads'); barriers still write
 
 	leases    []atomic.Pointer[coordinationv1.Lease] // each node's Lease as its kubelet last wrote it
 	leaseBusy []atomic.Bool                          // a node's heartbeat is in flight
@@ -105,6 +106,9 @@ func (w *workload) every(ctx context.Context, rate float64, kind string, op func
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		}
+		if w.paused.Load() {
+			continue
 		}
 		select {
 		case w.sem <- struct{}{}:

@@ -1,0 +1,260 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+)
+
+// With -snapcache.e2e.pprof, BenchmarkControlPlane runs etcd with
+// --enable-pprof and takes a CPU profile of it in the middle of each side's
+// steady phase: saved under $TMPDIR (its path printed), its top frames by
+// cumulative share and a breakdown by what etcd does (PROFILE lines).
+
+// cpProfileSecs is how long the steady phase's CPU profile of etcd runs.
+const cpProfileSecs = 20
+
+// cpProfile is a CPU profile of etcd taken in a phase.
+type cpProfile struct {
+	side, phase string
+	round       int
+	path        string // "" if it failed
+	err         error
+}
+
+// profileEtcd takes a CPU profile of etcd in the middle of a phase of
+// length phaseLen that has just begun, in the background; wait for it with
+// the channel.
+func (cp *controlPlane) profileEtcd(side, phase string, round int, phaseLen time.Duration) <-chan cpProfile {
+	ch := make(chan cpProfile, 1)
+	secs := min(cpProfileSecs, max(int(phaseLen.Seconds()), 1))
+	delay := max(phaseLen/2-time.Duration(secs)*time.Second/2, 0)
+	go func() {
+		p := cpProfile{side: side, phase: phase, round: round}
+		time.Sleep(delay)
+		p.path, p.err = cp.fetchProfile(fmt.Sprintf("etcd-%s-%d-%s.pprof", side, round, phase), secs)
+		if p.err == nil {
+			progress("%s %s: etcd's CPU profile (%ds): %s", side, phase, secs, p.path)
+		} else {
+			progress("%s %s: etcd's CPU profile: %v", side, phase, p.err)
+		}
+		ch <- p
+	}()
+	return ch
+}
+
+// fetchProfile saves etcd's /debug/pprof/profile of secs seconds as name
+// in the profiles' directory (made under $TMPDIR on first use).
+func (cp *controlPlane) fetchProfile(name string, secs int) (string, error) {
+	if cp.profDir == "" {
+		d, err := os.MkdirTemp("", "cp-pprof-")
+		if err != nil {
+			return "", err
+		}
+		cp.profDir = d
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(secs+30)*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, "GET", fmt.Sprintf("%s/debug/pprof/profile?seconds=%d", cp.etcd.endpoint, secs), nil)
+	if err != nil {
+		return "", err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return "", fmt.Errorf("etcd's /debug/pprof/profile: %s (is it run with --enable-pprof?)", resp.Status)
+	}
+	path := filepath.Join(cp.profDir, name)
+	f, err := os.Create(path)
+	if err != nil {
+		return "", err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return "", err
+	}
+	return path, f.Close()
+}
+
+// goTool is the go command that runs pprof.
+func goTool() string {
+	if p, err := exec.LookPath("go"); err == nil {
+		return p
+	}
+	return filepath.Join(runtime.GOROOT(), "bin", "go")
+}
+
+// cpProfileFrames are the frames of etcd's work worth listing in the top
+// by cumulative share, but for the wrappers cpProfileWrappers matches
+// (gRPC's handlers and interceptors, the apply's scheduler), which every
+// request or apply goes through.
+var (
+	cpProfileFrames   = regexp.MustCompile(`etcdserver|v3rpc|mvcc|backend|raft|wal|lease|bbolt|grpc|http2|runtime\.(gcBgMarkWorker|mallocgc|memmove)$`)
+	cpProfileWrappers = regexp.MustCompile(`grpc\.\(\*Server\)|Interceptor|getChainUnaryHandler|chainUnaryInterceptors|chainStreamInterceptors|schedule\.|\(\*EtcdServer\)\.run\.func|NewServerTransport\.func|\.func[0-9.]+$|Handler\.func1$|quotaKVServer`)
+)
+
+// profileTop is `go tool pprof -top -cum` of path, only the lines of the
+// frames cpProfileFrames matches, at most n.
+func profileTop(path string, n int) ([]string, error) {
+	out, err := exec.Command(goTool(), "tool", "pprof", "-top", "-cum", "-nodecount=400", path).Output()
+	if err != nil {
+		return nil, fmt.Errorf("go tool pprof -top: %v", err)
+	}
+	var top []string
+	sc := bufio.NewScanner(strings.NewReader(string(out)))
+	for sc.Scan() && len(top) < n {
+		f := strings.Fields(sc.Text())
+		if len(f) < 6 || !strings.HasSuffix(f[4], "%") {
+			continue
+		}
+		if fn := strings.Join(f[5:], " "); cpProfileFrames.MatchString(fn) && !cpProfileWrappers.MatchString(fn) {
+			top = append(top, fmt.Sprintf("%s %s", f[4], fn))
+		}
+	}
+	return top, nil
+}
+
+// cpProfileKinds classify a sample by its stack: the first kind one of
+// whose frames matches its pattern (in this order) takes it.
+var cpProfileKinds = []struct {
+	name string
+	re   *regexp.Regexp
+}{
+	// Reads: Range (serializable or linearizable, its ReadIndex wait
+	// included), read-only Txns.
+	{"range", regexp.MustCompile(`_KV_Range_Handler|v3rpc\.\(\*kvServer\)\.Range|\(\*EtcdServer\)\.Range|\(\*EtcdServer\)\.linearizableReadLoop|\(\*EtcdServer\)\.requestCurrentIndex`)},
+	// Watchers: notifying them of writes, syncing unsynced ones, sending events.
+	{"watch", regexp.MustCompile(`_Watch_Watch_Handler|\(\*watchableStore\)\.(notify|sync|moveVictims)|serverWatchStream|v3rpc\.\(\*watchServer\)|mvcc\.\(\*watchStream\)|watcherGroup|newWatcherBatch|\(\*watcher\)\.send`)},
+	// Writes: Txns, Puts and Deletes through raft, the apply, the backend's commits, the WAL.
+	{"apply", regexp.MustCompile(`_KV_(Txn|Put|DeleteRange)_Handler|v3rpc\.\(\*kvServer\)\.(Txn|Put|DeleteRange)|\(\*EtcdServer\)\.(Txn|Put|DeleteRange|apply|processInternalRaftRequest|raftRequest)|\(\*raftNode\)|go\.etcd\.io/raft|etcdserver/api/rafthttp|/wal\.|backend\.\(\*(backend|batchTx)|bbolt\.\(\*(Tx|DB)\)\.(Commit|commit|spill)|applier|uberApplier|\(\*applierV3`)},
+	{"lease", regexp.MustCompile(`/lease\.|LeaseGrant|LeaseRevoke|LeaseKeepAlive|leaseServer`)},
+	{"compact", regexp.MustCompile(`(?i)compact|defrag`)},
+	// gRPC's writes to its connections (loopyWriter: every response and
+	// watch event goes out there, whoever the stream's).
+	{"grpc-send", regexp.MustCompile(`transport\.\(\*loopyWriter\)`)},
+	// The rest of gRPC: reading and decoding frames, HTTP/2, TLS.
+	{"grpc", regexp.MustCompile(`google\.golang\.org/grpc|golang\.org/x/net/http2|crypto/tls`)},
+	{"gc", regexp.MustCompile(`runtime\.(gcBgMarkWorker|bgsweep|bgscavenge|gcStart|markroot|GC)`)},
+}
+
+// profileShares is each kind's share of path's samples, from `go tool
+// pprof -traces`, in cpProfileKinds' order then "other".
+func profileShares(path string) (map[string]float64, time.Duration, error) {
+	out, err := exec.Command(goTool(), "tool", "pprof", "-traces", path).Output()
+	if err != nil {
+		return nil, 0, fmt.Errorf("go tool pprof -traces: %v", err)
+	}
+	by, total := classifyTraces(string(out))
+	shares := map[string]float64{}
+	for k, d := range by {
+		shares[k] = float64(d) / float64(max(total, 1))
+	}
+	return shares, total, nil
+}
+
+// classifyTraces sums the samples of `go tool pprof -traces` output by
+// cpProfileKinds' kind.
+func classifyTraces(out string) (map[string]time.Duration, time.Duration) {
+	by := map[string]time.Duration{}
+	var total, val time.Duration
+	var stack []string
+	flush := func() {
+		if val > 0 {
+			kind := "other"
+		kinds:
+			for _, k := range cpProfileKinds {
+				for _, fn := range stack {
+					if k.re.MatchString(fn) {
+						kind = k.name
+						break kinds
+					}
+				}
+			}
+			by[kind] += val
+			total += val
+		}
+		val, stack = 0, nil
+	}
+	sc := bufio.NewScanner(strings.NewReader(out))
+	sc.Buffer(make([]byte, 64<<10), 4<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if strings.HasPrefix(line, "-----") {
+			flush()
+			continue
+		}
+		f := strings.Fields(line)
+		if len(f) == 0 {
+			continue
+		}
+		// A trace's first line: its value, then its leaf frame.
+		if line[0] == ' ' && len(f) >= 2 && val == 0 && len(stack) == 0 {
+			if d, err := time.ParseDuration(f[0]); err == nil {
+				val = d
+				stack = append(stack, strings.Join(f[1:], " "))
+				continue
+			}
+		}
+		if val > 0 {
+			stack = append(stack, strings.Join(f, " "))
+		}
+	}
+	flush()
+	return by, total
+}
+
+// TestProfileSummary prints the PROFILE lines of the profiles in
+// $CP_PPROF_FILES (space-separated): to look again at those a run saved.
+func TestProfileSummary(t *testing.T) {
+	files := strings.Fields(os.Getenv("CP_PPROF_FILES"))
+	if len(files) == 0 {
+		t.Skip("no $CP_PPROF_FILES")
+	}
+	for _, f := range files {
+		fmt.Print(profileSummary(t, cpProfile{side: strings.TrimSuffix(filepath.Base(f), ".pprof"), phase: "-", path: f}))
+	}
+}
+
+// profileSummary is the PROFILE lines of a profile.
+func profileSummary(b testing.TB, p cpProfile) string {
+	var sb strings.Builder
+	if p.err != nil || p.path == "" {
+		fmt.Fprintf(&sb, "PROFILE %s %s etcd: none: %v\n", p.side, p.phase, p.err)
+		return sb.String()
+	}
+	shares, total, err := profileShares(p.path)
+	if err != nil {
+		fmt.Fprintf(&sb, "PROFILE %s %s etcd: %s: %v\n", p.side, p.phase, p.path, err)
+		return sb.String()
+	}
+	// Each kind's share, and its CPU seconds per second of the profile.
+	var parts []string
+	for _, k := range append(cpProfileKinds, struct {
+		name string
+		re   *regexp.Regexp
+	}{name: "other"}) {
+		parts = append(parts, fmt.Sprintf("%s %.0f%% (%.3f s/s)", k.name, 100*shares[k.name], shares[k.name]*total.Seconds()/cpProfileSecs))
+	}
+	fmt.Fprintf(&sb, "PROFILE %s %s etcd: %.3f s/s of samples in %ds: %s  [%s]\n", p.side, p.phase, total.Seconds()/cpProfileSecs, cpProfileSecs, strings.Join(parts, "  "), p.path)
+	top, err := profileTop(p.path, 15)
+	if err != nil {
+		b.Logf("%s: %v", p.path, err)
+	}
+	for _, t := range top {
+		fmt.Fprintf(&sb, "PROFILE   %s top-cum %s\n", p.side, t)
+	}
+	return sb.String()
+}
