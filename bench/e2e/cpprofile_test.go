@@ -3,6 +3,7 @@ package e2e
 import (
 	"bufio"
 	"context"
+	"flag"
 	"fmt"
 	"io"
 	"net/http"
@@ -216,15 +217,20 @@ func classifyTraces(out string) (map[string]time.Duration, time.Duration) {
 	return by, total
 }
 
-// TestProfileSummary prints the PROFILE lines of the profiles in
-// $CP_PPROF_FILES (space-separated): to look again at those a run saved.
-func TestProfileSummary(t *testing.T) {
-	files := strings.Fields(os.Getenv("CP_PPROF_FILES"))
+// cpProfiles are saved etcd profiles for BenchmarkProfileSummary.
+var cpProfiles = flag.String("snapcache.e2e.cp-profiles", "", "BenchmarkProfileSummary: saved etcd CPU profiles (space-separated) to print PROFILE lines of again")
+
+// BenchmarkProfileSummary prints the PROFILE lines of the profiles that a
+// run of BenchmarkControlPlane saved (-snapcache.e2e.cp-profiles), to look
+// at them again: `make bench-e2e BENCH=ProfileSummary
+// BENCH_E2E_FLAGS='-snapcache.e2e.cp-profiles=...'`.
+func BenchmarkProfileSummary(b *testing.B) {
+	files := strings.Fields(*cpProfiles)
 	if len(files) == 0 {
-		t.Skip("no $CP_PPROF_FILES")
+		b.Fatal("-snapcache.e2e.cp-profiles: no profile given")
 	}
 	for _, f := range files {
-		fmt.Print(profileSummary(t, cpProfile{side: strings.TrimSuffix(filepath.Base(f), ".pprof"), phase: "-", path: f}))
+		fmt.Print(profileSummary(b, cpProfile{side: strings.TrimSuffix(filepath.Base(f), ".pprof"), phase: "-", path: f}))
 	}
 }
 

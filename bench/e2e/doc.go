@@ -165,8 +165,9 @@
 //     grpc-send: gRPC's writes to its connections, every response's and
 //     watch event's; grpc: the rest of gRPC's transport; gc; other), each
 //     also as CPU s/s, and the top frames by cumulative share (`go tool
-//     pprof -top -cum`, but for gRPC's and the apply's wrappers); `go test
-//     -run TestProfileSummary` with $CP_PPROF_FILES reads saved ones again.
+//     pprof -top -cum`, but for gRPC's and the apply's wrappers);
+//     BenchmarkProfileSummary (-snapcache.e2e.cp-profiles) reads saved
+//     ones again.
 //   - BenchmarkHistoryMemory: the proxy's heap per retained revision,
 //     without a history budget, and its heap under a budget
 //     (--max-history-bytes). Here the proxy runs in the benchmark's
