@@ -368,18 +368,11 @@ func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
 	cp.pauseLoad(b, load, false)
 
 	ph = cp.begin(b, side, "steady")
-	var prof <-chan cpProfile
 	if *cmpPprof {
-		prof = cp.profileEtcd(side, "steady", round, *cpSteady)
+		cp.profiles = append(cp.profiles, cp.profileEtcd(b, load, side, "steady", round, ph.start, *cpSteady))
 	}
-	for time.Since(ph.start) < *cpSteady {
-		time.Sleep(time.Second)
-		cp.checkAlive(b, load)
-	}
+	cp.hold(b, load, ph.start.Add(*cpSteady))
 	out = append(out, cp.end(b, ph, load))
-	if prof != nil {
-		cp.profiles = append(cp.profiles, <-prof)
-	}
 
 	cp.pauseLoad(b, load, true)
 	out = append(out, cp.restart(b, side, "restart-all", cp.kubes, load))
@@ -421,11 +414,26 @@ func (cp *controlPlane) restart(b *testing.B, side, name string, kubes []*cpKube
 	if !r.OK {
 		ph.note("barrier: " + r.Error)
 	}
-	for end := time.Now().Add(*cpSettle); time.Now().Before(end); {
-		time.Sleep(time.Second)
-		cp.checkAlive(b, load)
-	}
+	cp.hold(b, load, time.Now().Add(*cpSettle))
 	return cp.end(b, ph, load)
+}
+
+// hold lets a phase's load run until end, checking every second that
+// every process of the control plane is still alive.
+func (cp *controlPlane) hold(b *testing.B, load *kubeload, end time.Time) {
+	b.Helper()
+	deadline := time.NewTimer(time.Until(end))
+	defer deadline.Stop()
+	check := time.NewTicker(time.Second)
+	defer check.Stop()
+	for {
+		select {
+		case <-deadline.C:
+			return
+		case <-check.C:
+			cp.checkAlive(b, load)
+		}
+	}
 }
 
 func (cp *controlPlane) checkAlive(b *testing.B, load *kubeload) {

@@ -33,25 +33,21 @@ type cpProfile struct {
 	err         error
 }
 
-// profileEtcd takes a CPU profile of etcd in the middle of a phase of
-// length phaseLen that has just begun, in the background; wait for it with
-// the channel.
-func (cp *controlPlane) profileEtcd(side, phase string, round int, phaseLen time.Duration) <-chan cpProfile {
-	ch := make(chan cpProfile, 1)
+// profileEtcd profiles etcd's CPU in the middle of a phase of length
+// phaseLen that began at start, while the phase's load runs: it holds the
+// phase (cp.hold) until the profile's window, then takes the profile, which
+// lasts its seconds.
+func (cp *controlPlane) profileEtcd(b *testing.B, load *kubeload, side, phase string, round int, start time.Time, phaseLen time.Duration) cpProfile {
 	secs := min(cpProfileSecs, max(int(phaseLen.Seconds()), 1))
-	delay := max(phaseLen/2-time.Duration(secs)*time.Second/2, 0)
-	go func() {
-		p := cpProfile{side: side, phase: phase, round: round}
-		time.Sleep(delay)
-		p.path, p.err = cp.fetchProfile(fmt.Sprintf("etcd-%s-%d-%s.pprof", side, round, phase), secs)
-		if p.err == nil {
-			progress("%s %s: etcd's CPU profile (%ds): %s", side, phase, secs, p.path)
-		} else {
-			progress("%s %s: etcd's CPU profile: %v", side, phase, p.err)
-		}
-		ch <- p
-	}()
-	return ch
+	cp.hold(b, load, start.Add(max(phaseLen/2-time.Duration(secs)*time.Second/2, 0)))
+	p := cpProfile{side: side, phase: phase, round: round}
+	p.path, p.err = cp.fetchProfile(fmt.Sprintf("etcd-%s-%d-%s.pprof", side, round, phase), secs)
+	if p.err == nil {
+		progress("%s %s: etcd's CPU profile (%ds): %s", side, phase, secs, p.path)
+	} else {
+		progress("%s %s: etcd's CPU profile: %v", side, phase, p.err)
+	}
+	return p
 }
 
 // fetchProfile saves etcd's /debug/pprof/profile of secs seconds as name
