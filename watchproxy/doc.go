@@ -15,6 +15,9 @@
 // mirrored above the store's head, and reads on from the history, unless
 // its slow client let the events it needs be dropped.
 //
+// A send loop is woken only by events that concern its watchers
+// (notifier, by key, as etcd's watchableStore.notify), and every 100ms.
+//
 // Events are encoded once, not once per watcher: a server-wide cache holds
 // the newest revisions' events in their wire form, with and without
 // prev_kv, and every stream sends those bytes behind each response's own

@@ -46,6 +46,7 @@ func BenchmarkSendEvents(b *testing.B) {
 			store := revtree.New(0)
 			store.Reset(1, []*mvccpb.KeyValue{{Key: []byte("/p/k"), Value: make([]byte, 1024), CreateRevision: 1, ModRevision: 1, Version: 1}}, 0)
 			srv := New(Config{Store: store, Follower: newFakeFollower(store)})
+			defer srv.Close()
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			st := newStream(srv, &discardStream{ctx: ctx, codec: wirecodec.Codec()}, nil)
@@ -72,10 +73,7 @@ func BenchmarkSendEvents(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				var encs []*revEvents
-				if !legacy {
-					encs = st.lookup(batches)
-				}
+				encs := make([]*revEvents, len(batches))
 				for _, w := range st.watchers {
 					if legacy {
 						w.nextRev = rev + 1

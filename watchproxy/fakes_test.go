@@ -278,7 +278,7 @@ func newWorld(t *testing.T) *world {
 	store := revtree.New(0)
 	store.Reset(1, nil, 0)
 	f := newFakeFollower(store)
-	return &world{
+	w := &world{
 		t:        t,
 		store:    store,
 		follower: f,
@@ -286,6 +286,9 @@ func newWorld(t *testing.T) *world {
 		live:     map[string]*mvccpb.KeyValue{},
 		applied:  map[int64][]*mvccpb.Event{},
 	}
+	// The server a test ends with (some replace it) stops its notifier.
+	t.Cleanup(func() { w.srv.Close() })
+	return w
 }
 
 // op is one write of a revision: a put when del is false.

@@ -134,7 +134,8 @@ type Server struct {
 	lg              *zap.Logger
 	m               *Metrics
 
-	enc *encodings // events encoded once for every stream
+	enc    *encodings // events encoded once for every stream
+	notify *notifier  // wakes the streams new events concern
 
 	catchups     chan struct{} // semaphore of upstream catch-up watches
 	catchupStall time.Duration // catchupStall; tests shorten it
@@ -179,6 +180,7 @@ func New(cfg Config) *Server {
 		lg:              cfg.Logger,
 		m:               cfg.Metrics,
 		enc:             newEncodings(defaultEncodedBytes, defaultEncodedRevs, cfg.Metrics),
+		notify:          newNotifier(cfg.Store, cfg.Follower),
 		catchups:        make(chan struct{}, maxCatchups),
 		catchupStall:    catchupStall,
 		closing:         make(chan struct{}),
@@ -189,7 +191,10 @@ func New(cfg Config) *Server {
 // retry elsewhere. It lets a graceful stop finish, since watch streams
 // would otherwise last for ever.
 func (s *Server) Close() {
-	s.closeOnce.Do(func() { close(s.closing) })
+	s.closeOnce.Do(func() {
+		close(s.closing)
+		s.notify.close()
+	})
 }
 
 // Watch serves one client stream.
@@ -213,6 +218,7 @@ func (s *Server) Watch(gs pb.Watch_WatchServer) error {
 		}
 		leaderLost = ch
 	}
+	s.notify.start()
 	st := newStream(s, gs, leaderLost)
 	s.m.streamOpened()
 	defer s.m.streamClosed()

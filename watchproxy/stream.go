@@ -40,8 +40,11 @@ var errInconsistent = status.Error(codes.Unavailable, "etcd-snapcache: the cache
 var errTimeline = status.Error(codes.Unavailable, "etcd-snapcache: etcd's history changed (restored or replaced); retry")
 
 // inconsistentPoll is how often a send loop with nothing else to do looks
-// at Config.Inconsistent, which has no channel to wait on. The fallback
-// also stops the feed and reloads the store, which wakes the loop too.
+// at Config.Inconsistent, which has no channel to wait on (the fallback
+// also stops the feed and reloads the store, which wakes the loop too),
+// and delivers: it bounds how far its watchers' positions lag behind the
+// store while no event concerns them (notifier), as etcd's syncWatchers
+// runs every 100ms.
 const inconsistentPoll = 100 * time.Millisecond
 
 // ready is always closed: selecting on it never blocks.
@@ -65,6 +68,9 @@ type stream struct {
 
 	reqs    chan *pb.WatchRequest // requests, in order, from the receive loop
 	recvErr chan error            // the receive loop's final error (not io.EOF)
+	// wake is signalled (never blocking) when the store has events for a
+	// watcher of the stream (notifier).
+	wake chan struct{}
 
 	// Fields below are touched only by the send loop (run).
 	watchers map[int64]*watcher
@@ -122,6 +128,7 @@ func newStream(s *Server, gs pb.Watch_WatchServer, leaderLost <-chan struct{}) *
 		leaderLost:      leaderLost,
 		reqs:            make(chan *pb.WatchRequest, 16),
 		recvErr:         make(chan error, 1),
+		wake:            make(chan struct{}, 1),
 		watchers:        map[int64]*watcher{},
 		freshc:          make(chan freshResult, 1),
 		catchupc:        make(chan catchupBatch),
@@ -139,7 +146,6 @@ func (st *stream) run() error {
 	poll := time.NewTicker(inconsistentPoll)
 	defer poll.Stop()
 	for {
-		changed := st.s.follower.Changed()
 		var etcdTick <-chan struct{}
 		if st.s.followEtcd {
 			etcdTick = st.s.follower.PeriodicProgress()
@@ -171,12 +177,12 @@ func (st *stream) run() error {
 		case b := <-st.catchupc:
 			err = st.onCatchup(b)
 		case <-ticker.C:
-			err = st.periodicProgress()
+			err = st.progressTick()
 		case <-etcdTick:
 			// etcd's own tick; the ticker stays the fallback.
 			ticker.Reset(st.s.progressInterval())
-			err = st.periodicProgress()
-		case <-changed:
+			err = st.progressTick()
+		case <-st.wake:
 		case <-epochMoved:
 		case <-proceed:
 		case <-poll.C:
@@ -193,7 +199,16 @@ func (st *stream) run() error {
 	}
 }
 
+// wakeUp wakes the send loop, if it is not already to wake.
+func (st *stream) wakeUp() {
+	select {
+	case st.wake <- struct{}{}:
+	default:
+	}
+}
+
 func (st *stream) close() {
+	st.s.notify.leave(st)
 	st.cancel()
 	st.wg.Wait()
 	st.s.m.watchersRemoved(len(st.watchers))
@@ -299,6 +314,7 @@ func (st *stream) create(cr *pb.WatchCreateRequest) error {
 	w.synced = cr.StartRevision == 0 || (cr.StartRevision > rev && cr.StartRevision >= st.s.store.CompactRev())
 	w.idle = true
 	st.watchers[id] = w
+	st.s.notify.watch(st, id, keyRange{key: key, end: end})
 	st.s.m.watchersAdded(1)
 	return st.gs.Send(&pb.WatchResponse{Header: st.header(rev), WatchId: id, Created: true})
 }
@@ -317,6 +333,7 @@ func (st *stream) remove(w *watcher) {
 		w.cancelCatchup()
 	}
 	delete(st.watchers, w.id)
+	st.s.notify.unwatch(st, w.id)
 	st.s.m.watchersRemoved(1)
 }
 
@@ -430,7 +447,7 @@ func (st *stream) deliverFrom(from, rev int64) (more bool, err error) {
 		// Some watcher is behind the history: settle each on its own.
 		return st.deliverEach(rev)
 	}
-	encs := st.lookup(batches)
+	encs := make([]*revEvents, len(batches))
 	for _, w := range st.watchers {
 		if w.active() && w.nextRev <= complete {
 			if err := st.sendEvents(w, batches, encs, complete); err != nil {
@@ -457,7 +474,7 @@ func (st *stream) deliverEach(rev int64) (more bool, err error) {
 			err = nil
 		case err == nil:
 			more = more || complete < rev
-			err = st.sendEvents(w, batches, st.lookup(batches), complete)
+			err = st.sendEvents(w, batches, make([]*revEvents, len(batches)), complete)
 		default: // not loaded: wait for the load
 			err = nil
 		}
@@ -468,24 +485,22 @@ func (st *stream) deliverEach(rev int64) (more bool, err error) {
 	return more, nil
 }
 
-// lookup returns the shared encodings of batches' revisions.
-func (st *stream) lookup(batches []revtree.Batch) []*revEvents {
-	encs := make([]*revEvents, len(batches))
-	for i, b := range batches {
-		encs[i] = st.s.enc.lookup(b)
-	}
-	return encs
-}
-
 // sendEvents sends w its events of batches from w.nextRev up to complete,
-// and moves it past complete. encs are the batches' encodings.
+// and moves it past complete. encs are the batches' shared encodings,
+// looked up (and kept in encs) once a watcher wants an event of theirs:
+// most revisions concern few of a stream's watchers.
 func (st *stream) sendEvents(w *watcher, batches []revtree.Batch, encs []*revEvents, complete int64) error {
 	entries, n := st.entries[:0], 0
 	for i, b := range batches {
 		if b.Rev >= w.nextRev && b.Rev <= complete {
 			prevKV := w.prevKV && prevKVReadable(b.Rev, st.passCompactRev)
 			var k int
-			entries, k = w.matchingEncoded(entries, b.Events, func() *encodedEvents { return st.s.enc.encoded(encs[i], prevKV) })
+			entries, k = w.matchingEncoded(entries, b.Events, func() *encodedEvents {
+				if encs[i] == nil {
+					encs[i] = st.s.enc.lookup(b)
+				}
+				return st.s.enc.encoded(encs[i], prevKV)
+			})
 			n += k
 		}
 	}
@@ -680,6 +695,17 @@ func (st *stream) answerProgress() error {
 		st.progressProven = st.progressProven[1:]
 	}
 	return nil
+}
+
+// progressTick delivers what the stream's watchers have not been sent yet,
+// then sends the periodic progress: a watcher's progress is the revision
+// it has been sent everything up to, which the notifier lets lag behind
+// the store while no event concerns it.
+func (st *stream) progressTick() error {
+	if _, err := st.deliver(); err != nil {
+		return err
+	}
+	return st.periodicProgress()
 }
 
 // periodicProgress is etcd's progress ticker: each progress_notify watcher
