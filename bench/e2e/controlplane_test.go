@@ -45,7 +45,8 @@ func kubeloadBinary(tb testing.TB) string {
 }
 
 // cpPhases are the phases of a side's pass, in order.
-var cpPhases = []string{"start-storm", "steady", "restart-all", "restart-one"}
+// restart-proxy is the proxy side's alone.
+var cpPhases = []string{"start-storm", "steady", "restart-all", "restart-one", "restart-proxy"}
 
 // BenchmarkControlPlane: a production control plane, -snapcache.e2e.cp-apiservers
 // unmodified kube-apiservers with their watch caches on (the default), in
@@ -60,6 +61,9 @@ var cpPhases = []string{"start-storm", "steady", "restart-all", "restart-one"}
 // kube-apiserver restarting at once (restart-all) and one restarting while
 // the others serve (restart-one), each of these until every kube-apiserver
 // is ready and every informer has caught up, then -snapcache.e2e.cp-settle.
+// The proxy side then restarts the proxy in front of the first
+// kube-apiserver (restart-proxy): it loads the keyspace from etcd again,
+// and its kube-apiservers reconnect and resume their watches.
 // Per phase and side: etcd's CPU per second, resident memory and peak,
 // watchers and requests per second by method; the proxy's CPU and memory;
 // kube-apiserver's request latency per verb, its 5xx and 429 answers and
@@ -106,8 +110,8 @@ type controlPlane struct {
 	uts     bool      // each kube-apiserver runs in a UTS namespace of its own
 	load    *kubeload // the running load generator, if any
 
-	profDir  string      // where etcd's CPU profiles go (-snapcache.e2e.pprof)
-	profiles []cpProfile // etcd's CPU profiles of each side's steady phase
+	profDir  string      // where the CPU profiles go (-snapcache.e2e.pprof)
+	profiles []cpProfile // the CPU profiles taken, in order
 }
 
 func newControlPlane(b *testing.B, kubeBin, loadBin string) *controlPlane {
@@ -115,6 +119,11 @@ func newControlPlane(b *testing.B, kubeBin, loadBin string) *controlPlane {
 	var etcdArgs []string
 	if *cmpPprof {
 		etcdArgs = []string{"--enable-pprof"}
+		d, err := os.MkdirTemp("", "cp-pprof-")
+		if err != nil {
+			b.Fatal(err)
+		}
+		cp.profDir = d
 	}
 	cp.etcd = startEtcd(b, etcdArgs...)
 	cp.loader = dial(b, cp.etcd.endpoint, nil, "", "")
@@ -241,29 +250,37 @@ func (cp *controlPlane) populate(b *testing.B) {
 	cp.startProxies(b, head)
 }
 
+// proxyArgs are the flags every proxy of the control plane runs with.
+func (cp *controlPlane) proxyArgs() []string {
+	if *cmpPprof {
+		return []string{"--enable-pprof"}
+	}
+	return nil
+}
+
 // startProxies starts the proxies of -snapcache.e2e.cp-topology, each once
 // the one it is in front of has reached revision head.
 func (cp *controlPlane) startProxies(b *testing.B, head int64) {
 	b.Helper()
 	switch *cpTopology {
 	case "shared":
-		p := startProxyProcess(b, cp.etcd.endpoint)
+		p := startProxyProcess(b, cp.etcd.endpoint, cp.proxyArgs()...)
 		cp.proxies = []*proxyProcess{p}
 		for range cp.kubes {
 			cp.front = append(cp.front, p)
 		}
 	case "sidecar":
 		for range cp.kubes {
-			p := startProxyProcess(b, cp.etcd.endpoint)
+			p := startProxyProcess(b, cp.etcd.endpoint, cp.proxyArgs()...)
 			cp.proxies = append(cp.proxies, p)
 			cp.front = append(cp.front, p)
 		}
 	case "tiered":
-		inner := startProxyProcess(b, cp.etcd.endpoint)
+		inner := startProxyProcess(b, cp.etcd.endpoint, cp.proxyArgs()...)
 		cp.proxies = []*proxyProcess{inner}
 		cp.waitProxies(b, head)
 		for range cp.kubes {
-			p := startProxyProcess(b, inner.endpoint)
+			p := startProxyProcess(b, inner.endpoint, cp.proxyArgs()...)
 			cp.proxies = append(cp.proxies, p)
 			cp.front = append(cp.front, p)
 		}
@@ -351,6 +368,7 @@ func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
 
 	// All kube-apiservers starting at once, then the clients.
 	ph := cp.begin(b, side, "start-storm")
+	storm := cp.profileStorm(side, "start-storm", round)
 	cp.startKubes(b, side, cp.kubes)
 	if _, err := cp.waitReady(cp.kubes); err != nil {
 		b.Fatal(err)
@@ -365,19 +383,25 @@ func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
 	}
 	ph.caughtUp = time.Since(ph.start)
 	out = append(out, cp.end(b, ph, load))
+	// After the phase's end, so that the profile's length does not
+	// stretch the phase, and before the load resumes.
+	cp.waitStormProfile(storm)
 	cp.pauseLoad(b, load, false)
 
 	ph = cp.begin(b, side, "steady")
 	if *cmpPprof {
-		cp.profiles = append(cp.profiles, cp.profileEtcd(b, load, side, "steady", round, ph.start, *cpSteady))
+		cp.profileSteady(b, load, side, "steady", round, ph.start, *cpSteady)
 	}
 	cp.hold(b, load, ph.start.Add(*cpSteady))
 	out = append(out, cp.end(b, ph, load))
 
 	cp.pauseLoad(b, load, true)
-	out = append(out, cp.restart(b, side, "restart-all", cp.kubes, load))
+	out = append(out, cp.restart(b, side, "restart-all", cp.kubes, load, round))
 	cp.pauseLoad(b, load, false)
-	out = append(out, cp.restart(b, side, "restart-one", cp.kubes[:1], load))
+	out = append(out, cp.restart(b, side, "restart-one", cp.kubes[:1], load, round))
+	if side == "proxy" {
+		out = append(out, cp.restartProxy(b, load))
+	}
 
 	load.stop(b)
 	cp.load = nil
@@ -401,11 +425,49 @@ func (cp *controlPlane) pauseLoad(b *testing.B, load *kubeload, pause bool) {
 // restart is a restart phase: kubes stop and start again, all at once;
 // the phase goes on until they are ready, every informer has caught up (a
 // barrier) and -snapcache.e2e.cp-settle has passed.
-func (cp *controlPlane) restart(b *testing.B, side, name string, kubes []*cpKube, load *kubeload) cpPhase {
+func (cp *controlPlane) restart(b *testing.B, side, name string, kubes []*cpKube, load *kubeload, round int) cpPhase {
 	ph := cp.begin(b, side, name)
+	var storm *profileRun
+	if len(kubes) > 1 {
+		storm = cp.profileStorm(side, name, round)
+	}
 	cp.stopKubes(b, kubes, true)
 	cp.startKubes(b, side, kubes)
 	if _, err := cp.waitReady(kubes); err != nil {
+		b.Fatal(err)
+	}
+	ph.ready = time.Since(ph.start)
+	r := load.do(b, "barrier")
+	ph.caughtUp = time.Since(ph.start)
+	if !r.OK {
+		ph.note("barrier: " + r.Error)
+	}
+	cp.hold(b, load, time.Now().Add(*cpSettle))
+	done := cp.end(b, ph, load)
+	cp.waitStormProfile(storm)
+	return done
+}
+
+// restartProxy is the restart-proxy phase: the proxy in front of the first
+// kube-apiserver stops and starts again under load, cold. The phase goes
+// on until it is ready, every kube-apiserver is ready, every informer has
+// caught up (a barrier) and -snapcache.e2e.cp-settle has passed.
+func (cp *controlPlane) restartProxy(b *testing.B, load *kubeload) cpPhase {
+	ph := cp.begin(b, "proxy", "restart-proxy")
+	p := cp.front[0]
+	// The stopped process's CPU and Ranges so far leave the phase's
+	// baseline: the new one's count from zero.
+	ph.proxyCPU0 -= processCPU(b, p.pid())
+	m := p.metrics(b)
+	ph.cached0 -= m.sum("etcd_snapcache_range_requests_total", `source="cache"`)
+	ph.forwarded0 -= m.sum("etcd_snapcache_range_requests_total", `source="forwarded"`)
+	p.restart(b)
+	var pids []int
+	for _, q := range cp.proxies {
+		pids = append(pids, q.cmd.Process.Pid)
+	}
+	cp.sampler.setProxies(pids)
+	if _, err := cp.waitReady(cp.kubes); err != nil {
 		b.Fatal(err)
 	}
 	ph.ready = time.Since(ph.start)

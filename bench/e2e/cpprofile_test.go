@@ -17,52 +17,100 @@ import (
 	"time"
 )
 
-// With -snapcache.e2e.pprof, BenchmarkControlPlane runs etcd with
-// --enable-pprof and takes a CPU profile of it in the middle of each side's
-// steady phase: saved under $TMPDIR (its path printed), its top frames by
-// cumulative share and a breakdown by what etcd does (PROFILE lines).
+// With -snapcache.e2e.pprof, BenchmarkControlPlane runs etcd and the
+// proxies with --enable-pprof and takes CPU profiles: of etcd in the first
+// cpStormProfileSecs of each storm, and of etcd and the first proxy in the
+// middle of each side's steady phase. They are saved under $TMPDIR (their
+// paths printed) and summed up in PROFILE lines: etcd's by what it does,
+// both by their top frames.
 
-// cpProfileSecs is how long the steady phase's CPU profile of etcd runs.
-const cpProfileSecs = 20
+const (
+	// cpProfileSecs is how long a steady phase's CPU profiles run.
+	cpProfileSecs = 20
+	// cpStormProfileSecs is how long a storm's CPU profile of etcd runs,
+	// from the storm's start: the storm's busiest part at 100k objects.
+	cpStormProfileSecs = 30
+)
 
-// cpProfile is a CPU profile of etcd taken in a phase.
+// cpProfile is a CPU profile of etcd or a proxy taken in a phase.
 type cpProfile struct {
+	proc        string // "etcd" or "proxy"
 	side, phase string
 	round       int
+	secs        int
 	path        string // "" if it failed
 	err         error
 }
 
-// profileEtcd profiles etcd's CPU in the middle of a phase of length
-// phaseLen that began at start, while the phase's load runs: it holds the
-// phase (cp.hold) until the profile's window, then takes the profile, which
-// lasts its seconds.
-func (cp *controlPlane) profileEtcd(b *testing.B, load *kubeload, side, phase string, round int, start time.Time, phaseLen time.Duration) cpProfile {
-	secs := min(cpProfileSecs, max(int(phaseLen.Seconds()), 1))
-	cp.hold(b, load, start.Add(max(phaseLen/2-time.Duration(secs)*time.Second/2, 0)))
-	p := cpProfile{side: side, phase: phase, round: round}
-	p.path, p.err = cp.fetchProfile(fmt.Sprintf("etcd-%s-%d-%s.pprof", side, round, phase), secs)
-	if p.err == nil {
-		progress("%s %s: etcd's CPU profile (%ds): %s", side, phase, secs, p.path)
-	} else {
-		progress("%s %s: etcd's CPU profile: %v", side, phase, p.err)
-	}
-	return p
+// profileRun is a CPU profile being taken on a goroutine of its own; the
+// phase that starts it waits for it.
+type profileRun struct {
+	p    cpProfile
+	done chan struct{}
 }
 
-// fetchProfile saves etcd's /debug/pprof/profile of secs seconds as name
-// in the profiles' directory (made under $TMPDIR on first use).
-func (cp *controlPlane) fetchProfile(name string, secs int) (string, error) {
-	if cp.profDir == "" {
-		d, err := os.MkdirTemp("", "cp-pprof-")
-		if err != nil {
-			return "", err
-		}
-		cp.profDir = d
+// startProfile starts a CPU profile of secs seconds of the process whose
+// HTTP endpoints (with /debug/pprof/) are at url.
+func (cp *controlPlane) startProfile(proc, url, side, phase string, round, secs int) *profileRun {
+	r := &profileRun{p: cpProfile{proc: proc, side: side, phase: phase, round: round, secs: secs}, done: make(chan struct{})}
+	name := fmt.Sprintf("%s-%s-%d-%s.pprof", proc, side, round, phase)
+	go func() {
+		defer close(r.done)
+		r.p.path, r.p.err = fetchProfile(url, filepath.Join(cp.profDir, name), secs)
+	}()
+	return r
+}
+
+// wait waits for the profile, records it and says where it went.
+func (cp *controlPlane) waitProfile(r *profileRun) {
+	<-r.done
+	p := r.p
+	if p.err == nil {
+		progress("%s %s: %s's CPU profile (%ds): %s", p.side, p.phase, p.proc, p.secs, p.path)
+	} else {
+		progress("%s %s: %s's CPU profile: %v", p.side, p.phase, p.proc, p.err)
 	}
+	cp.profiles = append(cp.profiles, p)
+}
+
+// profileSteady profiles etcd's CPU, and on the proxy side the first
+// proxy's, in the middle of a phase of length phaseLen that began at
+// start, while the phase's load runs: it holds the phase (cp.hold) until
+// the profiles' window, then takes them, which lasts their seconds.
+func (cp *controlPlane) profileSteady(b *testing.B, load *kubeload, side, phase string, round int, start time.Time, phaseLen time.Duration) {
+	secs := min(cpProfileSecs, max(int(phaseLen.Seconds()), 1))
+	cp.hold(b, load, start.Add(max(phaseLen/2-time.Duration(secs)*time.Second/2, 0)))
+	runs := []*profileRun{cp.startProfile("etcd", cp.etcd.endpoint, side, phase, round, secs)}
+	if side == "proxy" {
+		runs = append(runs, cp.startProfile("proxy", cp.proxies[0].endpoint, side, phase, round, secs))
+	}
+	for _, r := range runs {
+		cp.waitProfile(r)
+	}
+}
+
+// profileStorm starts a profile of etcd's CPU from a storm's start, with
+// -snapcache.e2e.pprof; nil without.
+func (cp *controlPlane) profileStorm(side, phase string, round int) *profileRun {
+	if !*cmpPprof {
+		return nil
+	}
+	return cp.startProfile("etcd", cp.etcd.endpoint, side, phase, round, cpStormProfileSecs)
+}
+
+// waitStormProfile waits for a storm's profile, if one was started.
+func (cp *controlPlane) waitStormProfile(r *profileRun) {
+	if r != nil {
+		cp.waitProfile(r)
+	}
+}
+
+// fetchProfile saves the /debug/pprof/profile of secs seconds served at
+// url as path.
+func fetchProfile(url, path string, secs int) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(secs+30)*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, "GET", fmt.Sprintf("%s/debug/pprof/profile?seconds=%d", cp.etcd.endpoint, secs), nil)
+	req, err := http.NewRequestWithContext(ctx, "GET", fmt.Sprintf("%s/debug/pprof/profile?seconds=%d", url, secs), nil)
 	if err != nil {
 		return "", err
 	}
@@ -72,9 +120,8 @@ func (cp *controlPlane) fetchProfile(name string, secs int) (string, error) {
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return "", fmt.Errorf("etcd's /debug/pprof/profile: %s (is it run with --enable-pprof?)", resp.Status)
+		return "", fmt.Errorf("%s/debug/pprof/profile: %s (is it run with --enable-pprof?)", url, resp.Status)
 	}
-	path := filepath.Join(cp.profDir, name)
 	f, err := os.Create(path)
 	if err != nil {
 		return "", err
@@ -104,8 +151,8 @@ var (
 )
 
 // profileTop is `go tool pprof -top -cum` of path, only the lines of the
-// frames cpProfileFrames matches, at most n.
-func profileTop(path string, n int) ([]string, error) {
+// frames that frames matches and cpProfileWrappers does not, at most n.
+func profileTop(path string, frames *regexp.Regexp, n int) ([]string, error) {
 	out, err := exec.Command(goTool(), "tool", "pprof", "-top", "-cum", "-nodecount=400", path).Output()
 	if err != nil {
 		return nil, fmt.Errorf("go tool pprof -top: %v", err)
@@ -117,7 +164,7 @@ func profileTop(path string, n int) ([]string, error) {
 		if len(f) < 6 || !strings.HasSuffix(f[4], "%") {
 			continue
 		}
-		if fn := strings.Join(f[5:], " "); cpProfileFrames.MatchString(fn) && !cpProfileWrappers.MatchString(fn) {
+		if fn := strings.Join(f[5:], " "); frames.MatchString(fn) && !cpProfileWrappers.MatchString(fn) {
 			top = append(top, fmt.Sprintf("%s %s", f[4], fn))
 		}
 	}
@@ -214,7 +261,10 @@ func classifyTraces(out string) (map[string]time.Duration, time.Duration) {
 }
 
 // cpProfiles are saved etcd profiles for BenchmarkProfileSummary.
-var cpProfiles = flag.String("snapcache.e2e.cp-profiles", "", "BenchmarkProfileSummary: saved etcd CPU profiles (space-separated) to print PROFILE lines of again")
+var (
+	cpProfiles   = flag.String("snapcache.e2e.cp-profiles", "", "BenchmarkProfileSummary: saved CPU profiles (space-separated; etcd's named etcd-*) to print PROFILE lines of again")
+	cpProfileLen = flag.Int("snapcache.e2e.cp-profile-secs", cpProfileSecs, "BenchmarkProfileSummary: how many seconds the saved profiles ran")
+)
 
 // BenchmarkProfileSummary prints the PROFILE lines of the profiles that a
 // run of BenchmarkControlPlane saved (-snapcache.e2e.cp-profiles), to look
@@ -226,37 +276,53 @@ func BenchmarkProfileSummary(b *testing.B) {
 		b.Fatal("-snapcache.e2e.cp-profiles: no profile given")
 	}
 	for _, f := range files {
-		fmt.Print(profileSummary(b, cpProfile{side: strings.TrimSuffix(filepath.Base(f), ".pprof"), phase: "-", path: f}))
+		proc := "proxy"
+		if strings.HasPrefix(filepath.Base(f), "etcd") {
+			proc = "etcd"
+		}
+		fmt.Print(profileSummary(b, cpProfile{proc: proc, side: strings.TrimSuffix(filepath.Base(f), ".pprof"), phase: "-", secs: *cpProfileLen, path: f}))
 	}
 }
 
-// profileSummary is the PROFILE lines of a profile.
+// cpProxyFrames are the proxy's frames worth listing in its top by
+// cumulative share.
+var cpProxyFrames = regexp.MustCompile(`etcd-snapcache|btree|grpc|http2|proto|runtime\.(gcBgMarkWorker|mallocgc|memmove)$`)
+
+// profileSummary is the PROFILE lines of a profile: for etcd, its share by
+// what etcd does, then the top frames by cumulative share.
 func profileSummary(b testing.TB, p cpProfile) string {
 	var sb strings.Builder
 	if p.err != nil || p.path == "" {
-		fmt.Fprintf(&sb, "PROFILE %s %s etcd: none: %v\n", p.side, p.phase, p.err)
+		fmt.Fprintf(&sb, "PROFILE %s %s %s: none: %v\n", p.side, p.phase, p.proc, p.err)
 		return sb.String()
 	}
-	shares, total, err := profileShares(p.path)
-	if err != nil {
-		fmt.Fprintf(&sb, "PROFILE %s %s etcd: %s: %v\n", p.side, p.phase, p.path, err)
-		return sb.String()
+	secs := float64(max(p.secs, 1))
+	frames := cpProxyFrames
+	if p.proc == "etcd" {
+		frames = cpProfileFrames
+		shares, total, err := profileShares(p.path)
+		if err != nil {
+			fmt.Fprintf(&sb, "PROFILE %s %s etcd: %s: %v\n", p.side, p.phase, p.path, err)
+			return sb.String()
+		}
+		// Each kind's share, and its CPU seconds per second of the profile.
+		var parts []string
+		for _, k := range append(cpProfileKinds, struct {
+			name string
+			re   *regexp.Regexp
+		}{name: "other"}) {
+			parts = append(parts, fmt.Sprintf("%s %.0f%% (%.3f s/s)", k.name, 100*shares[k.name], shares[k.name]*total.Seconds()/secs))
+		}
+		fmt.Fprintf(&sb, "PROFILE %s %s etcd: %.3f s/s of samples in %ds: %s  [%s]\n", p.side, p.phase, total.Seconds()/secs, p.secs, strings.Join(parts, "  "), p.path)
+	} else {
+		fmt.Fprintf(&sb, "PROFILE %s %s %s: %ds [%s]\n", p.side, p.phase, p.proc, p.secs, p.path)
 	}
-	// Each kind's share, and its CPU seconds per second of the profile.
-	var parts []string
-	for _, k := range append(cpProfileKinds, struct {
-		name string
-		re   *regexp.Regexp
-	}{name: "other"}) {
-		parts = append(parts, fmt.Sprintf("%s %.0f%% (%.3f s/s)", k.name, 100*shares[k.name], shares[k.name]*total.Seconds()/cpProfileSecs))
-	}
-	fmt.Fprintf(&sb, "PROFILE %s %s etcd: %.3f s/s of samples in %ds: %s  [%s]\n", p.side, p.phase, total.Seconds()/cpProfileSecs, cpProfileSecs, strings.Join(parts, "  "), p.path)
-	top, err := profileTop(p.path, 15)
+	top, err := profileTop(p.path, frames, 20)
 	if err != nil {
 		b.Logf("%s: %v", p.path, err)
 	}
 	for _, t := range top {
-		fmt.Fprintf(&sb, "PROFILE   %s top-cum %s\n", p.side, t)
+		fmt.Fprintf(&sb, "PROFILE   %s %s top-cum %s\n", p.side, p.proc, t)
 	}
 	return sb.String()
 }

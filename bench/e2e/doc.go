@@ -121,7 +121,11 @@
 //     until every informer has synced and caught up), steady
 //     (-snapcache.e2e.cp-steady, 1m), restart-all (every kube-apiserver
 //     stopped and started at once) and restart-one (the first one while the
-//     others serve); a restart phase lasts until every kube-apiserver is
+//     others serve), and on the proxy side alone restart-proxy (the proxy
+//     in front of the first kube-apiserver stopped and started again, cold,
+//     under load: it loads the keyspace from etcd, and its kube-apiservers
+//     reconnect and resume their watches; its SUMMARY is the proxy side's,
+//     with etcd's CPU in all); a restart phase lasts until every kube-apiserver is
 //     ready and every informer has seen a barrier written after it (a token
 //     on an object of each resource), then -snapcache.e2e.cp-settle (20s). A
 //     kube-apiserver stopped (SIGTERM) with watches open exits only when
@@ -155,19 +159,24 @@
 //     every kube-apiserver, the default), sidecar (one per kube-apiserver,
 //     each in front of etcd) or tiered (one in front of etcd, and one per
 //     kube-apiserver in front of it); the proxy's CPU and memory are then
-//     summed over every proxy. With -snapcache.e2e.pprof, etcd runs with
-//     --enable-pprof and a 20 s CPU profile of it is taken in the middle of
-//     each side's steady phase, saved under $TMPDIR (cp-pprof-*; its path
-//     printed); PROFILE lines give the share of its samples by what each
+//     summed over every proxy. With -snapcache.e2e.pprof, etcd and the
+//     proxies run with --enable-pprof, and CPU profiles are taken: of etcd
+//     for the first 30 s of each storm (start-storm, restart-all; waited
+//     for after the phase's end, so the profile may run past it, with the
+//     load still paused if -snapcache.e2e.cp-storm-load=false), and of
+//     etcd and the first proxy for 20 s in the middle of each side's
+//     steady phase, saved under $TMPDIR (cp-pprof-*; their paths
+//     printed); PROFILE lines give, for etcd, the share of its samples by what each
 //     stack does (range: Range and read-only Txns; watch: notifying,
 //     syncing and sending to watchers; apply: Txns, Puts and Deletes,
 //     raft, the apply, the backend's commits, the WAL; lease; compact;
 //     grpc-send: gRPC's writes to its connections, every response's and
 //     watch event's; grpc: the rest of gRPC's transport; gc; other), each
 //     also as CPU s/s, and the top frames by cumulative share (`go tool
-//     pprof -top -cum`, but for gRPC's and the apply's wrappers);
-//     BenchmarkProfileSummary (-snapcache.e2e.cp-profiles) reads saved
-//     ones again.
+//     pprof -top -cum`, but for gRPC's and the apply's wrappers), and for
+//     the proxy its top frames; BenchmarkProfileSummary
+//     (-snapcache.e2e.cp-profiles, -snapcache.e2e.cp-profile-secs) reads
+//     saved ones again.
 //   - BenchmarkHistoryMemory: the proxy's heap per retained revision,
 //     without a history budget, and its heap under a budget
 //     (--max-history-bytes). Here the proxy runs in the benchmark's

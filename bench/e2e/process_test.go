@@ -90,6 +90,7 @@ type proxyProcess struct {
 	*child
 	endpoint   string // http(s)://127.0.0.1:port, the etcd API
 	metricsURL string // http://127.0.0.1:port of --metrics-addr
+	gen        int    // restarts so far
 }
 
 // startProxyProcess starts the proxy binary in front of the etcd at
@@ -126,6 +127,13 @@ func startProxyProcessTLS(tb testing.TB, upstream string, secure bool, extra ...
 		"--log-level=warn",
 	}, extra...)
 	p.child = startChild(tb, "etcd-snapcache", dir, proxyBinary(tb), args)
+	p.waitReady(tb)
+	return p
+}
+
+// waitReady waits until the proxy's /readyz answers 200.
+func (p *proxyProcess) waitReady(tb testing.TB) {
+	tb.Helper()
 	testsupport.Poll(tb, startTimeout, 50*time.Millisecond, "etcd-snapcache to be ready", func() (bool, error) {
 		if err := p.alive(); err != nil {
 			tb.Fatal(err)
@@ -133,7 +141,18 @@ func startProxyProcessTLS(tb testing.TB, upstream string, secure bool, extra ...
 		_, err := httpGet(p.metricsURL + "/readyz")
 		return err == nil, err
 	})
-	return p
+}
+
+// restart stops the proxy (SIGTERM, as a rolling update does) and starts
+// it again with the same flags, ports and data directory, and waits until
+// it is ready: it loads the keyspace from etcd again.
+func (p *proxyProcess) restart(tb testing.TB) {
+	tb.Helper()
+	p.stop(tb)
+	p.gen++
+	dir := filepath.Dir(p.logPath)
+	p.child = startChild(tb, fmt.Sprintf("etcd-snapcache.%d", p.gen), dir, p.cmd.Path, p.cmd.Args[1:])
+	p.waitReady(tb)
 }
 
 // metrics scrapes the proxy's own metrics (/proxy/metrics: its /metrics
