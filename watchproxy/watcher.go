@@ -1,8 +1,6 @@
 package watchproxy
 
 import (
-	"bytes"
-
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
 
@@ -76,14 +74,7 @@ func newWatcher(id int64, cr *pb.WatchCreateRequest, key, end []byte) *watcher {
 func (w *watcher) active() bool { return !w.catchingUp && !w.compacted }
 
 func (w *watcher) contains(key []byte) bool {
-	switch {
-	case w.end == nil:
-		return bytes.Equal(key, w.key)
-	case len(w.end) == 0:
-		return bytes.Compare(key, w.key) >= 0
-	default:
-		return bytes.Compare(key, w.key) >= 0 && bytes.Compare(key, w.end) < 0
-	}
+	return keyRange{key: w.key, end: w.end}.contains(key)
 }
 
 // wants reports whether the watcher is sent ev: its key is in range, and

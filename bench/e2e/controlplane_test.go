@@ -287,11 +287,7 @@ func (cp *controlPlane) startProxies(b *testing.B, head int64) {
 	default:
 		b.Fatalf("-snapcache.e2e.cp-topology=%s: shared, sidecar or tiered", *cpTopology)
 	}
-	var pids []int
-	for _, p := range cp.proxies {
-		pids = append(pids, p.cmd.Process.Pid)
-	}
-	cp.sampler.setProxies(pids)
+	cp.sampleProxies()
 	cp.waitProxies(b, head)
 }
 
@@ -433,16 +429,7 @@ func (cp *controlPlane) restart(b *testing.B, side, name string, kubes []*cpKube
 	}
 	cp.stopKubes(b, kubes, true)
 	cp.startKubes(b, side, kubes)
-	if _, err := cp.waitReady(kubes); err != nil {
-		b.Fatal(err)
-	}
-	ph.ready = time.Since(ph.start)
-	r := load.do(b, "barrier")
-	ph.caughtUp = time.Since(ph.start)
-	if !r.OK {
-		ph.note("barrier: " + r.Error)
-	}
-	cp.hold(b, load, time.Now().Add(*cpSettle))
+	cp.recover(b, ph, load)
 	done := cp.end(b, ph, load)
 	cp.waitStormProfile(storm)
 	return done
@@ -462,11 +449,15 @@ func (cp *controlPlane) restartProxy(b *testing.B, load *kubeload) cpPhase {
 	ph.cached0 -= m.sum("etcd_snapcache_range_requests_total", `source="cache"`)
 	ph.forwarded0 -= m.sum("etcd_snapcache_range_requests_total", `source="forwarded"`)
 	p.restart(b)
-	var pids []int
-	for _, q := range cp.proxies {
-		pids = append(pids, q.cmd.Process.Pid)
-	}
-	cp.sampler.setProxies(pids)
+	cp.sampleProxies()
+	cp.recover(b, ph, load)
+	return cp.end(b, ph, load)
+}
+
+// recover ends a restart: it waits until every kube-apiserver is ready
+// and every informer has caught up (a barrier), then holds the phase for
+// -snapcache.e2e.cp-settle.
+func (cp *controlPlane) recover(b *testing.B, ph *cpPhase, load *kubeload) {
 	if _, err := cp.waitReady(cp.kubes); err != nil {
 		b.Fatal(err)
 	}
@@ -477,7 +468,15 @@ func (cp *controlPlane) restartProxy(b *testing.B, load *kubeload) cpPhase {
 		ph.note("barrier: " + r.Error)
 	}
 	cp.hold(b, load, time.Now().Add(*cpSettle))
-	return cp.end(b, ph, load)
+}
+
+// sampleProxies points the memory sampler at the proxies' processes.
+func (cp *controlPlane) sampleProxies() {
+	var pids []int
+	for _, p := range cp.proxies {
+		pids = append(pids, p.cmd.Process.Pid)
+	}
+	cp.sampler.setProxies(pids)
 }
 
 // hold lets a phase's load run until end, checking every second that
