@@ -79,14 +79,17 @@ type Follower struct {
 	wc    pb.WatchClient
 	m     *Metrics // nil-safe
 
-	upstream   *upstreamState
-	version    *versionTracker
-	leader     leaderState
-	changes    notifier
-	requests   *progressRequests
-	probes     *headProbe
-	compaction *compactionProber
-	ticker     *progressTicker
+	upstream *upstreamState
+	version  *versionTracker
+	leader   leaderState
+	changes  notifier
+	// beforeCompact, if set, runs before each compaction drops the history
+	// below it (SetBeforeCompact).
+	beforeCompact atomic.Pointer[func()]
+	requests      *progressRequests
+	probes        *headProbe
+	compaction    *compactionProber
+	ticker        *progressTicker
 
 	life      *lifecycle  // the phase: loading, serving, reloading, stopped
 	following followState // the upstream watch is established, and since when not
@@ -262,11 +265,19 @@ func (f *Follower) HeadSeen() int64 { return f.upstream.head.Load() }
 // Streams that require a leader end on it, as etcd ends them.
 func (f *Follower) LeaderLost() (bool, <-chan struct{}) { return f.leader.state() }
 
+// SetBeforeCompact sets a function that runs before each compaction drops
+// the store's history below it: the watch server's notifier reads every
+// revision's keys then, so that no quiet watcher is left behind them.
+func (f *Follower) SetBeforeCompact(fn func()) { f.beforeCompact.Store(&fn) }
+
 // ObserveCompaction records a compaction etcd has acknowledged at rev, such
 // as a Compact call forwarded by the proxy.
 func (f *Follower) ObserveCompaction(rev int64, source string) {
 	if rev <= f.store.CompactRev() {
 		return
+	}
+	if fn := f.beforeCompact.Load(); fn != nil {
+		(*fn)()
 	}
 	f.store.Compact(rev)
 	f.lg.Info("mirrored compaction", zap.Int64("compact-revision", rev), zap.String("source", source))

@@ -113,6 +113,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		Logger:                 s.lg.Named("watch"),
 		Metrics:                watchproxy.NewMetrics(s.registry),
 	})
+	s.follower.SetBeforeCompact(s.watch.SyncWatchers)
 	pb.RegisterWatchServer(gs, s.watch)
 	s.keepAlives = newKeepAlives(ctx, pb.NewLeaseClient(conn), s.lg.Named("lease"))
 	s.asProxyKeepAlives = newKeepAlives(gate.AsProxy(ctx), pb.NewLeaseClient(conn), s.lg.Named("lease"))

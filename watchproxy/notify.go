@@ -17,22 +17,31 @@ const notifyScanRevs = 256
 // streams (a kube-apiserver opens one per resource), waking them all for
 // each write costs more than the writes' delivery.
 //
-// A send loop still wakes on its own at least every inconsistentPoll and
-// then reads the history up to the store's revision, so that its watchers
-// never fall far behind the history the store holds.
+// Like etcd's synced watchers, which move with the head whatever its
+// writes' keys, a synced watcher moves past the revisions the scans found
+// nothing of its in without reading the history (skipQuiet), and the
+// follower has the notifier scan before it compacts (Server.SyncWatchers):
+// a compaction, which drops the history below it at once, never finds a
+// quiet watcher behind it. A send loop still wakes on its own at least
+// every inconsistentPoll and delivers.
 //
 // Why no event is missed: a stream registers a watcher's range before its
 // next deliver reads the store's revision. Every revision up to scanned
-// was in the store by then and is delivered; every later one is scanned
-// with the range registered.
+// was in the store by then and is delivered from the history; every later
+// one is scanned with the range registered, and what the scan finds for
+// it is recorded (interest.first) until the send loop has delivered.
 type notifier struct {
 	store    Store
 	follower Follower
 
+	// scanning is held by the one scan at a time: the notifier's own, or
+	// a Sync's.
+	scanning sync.Mutex
+
 	mu sync.Mutex
-	// interests are the key ranges of each stream's watchers, by watcher
-	// id; guarded by mu.
-	interests map[*stream]map[int64]keyRange
+	// interests are each stream's watchers' ranges and what the scans
+	// found for them, by watcher id; guarded by mu.
+	interests map[*stream]map[int64]*interest
 	// scanned is the revision up to which every event has woken the
 	// streams it concerns; guarded by mu.
 	scanned int64
@@ -40,6 +49,17 @@ type notifier struct {
 	startOnce sync.Once
 	stop      chan struct{} // closed by close
 	done      chan struct{} // closed when run returns; nil until started
+}
+
+// interest is a watcher's range, and what the scans know of it.
+type interest struct {
+	keyRange
+	// known is the first revision whose events the scans have recorded
+	// for the range: the notifier knows nothing of its events below.
+	known int64
+	// first is the first revision from known on with an event in the
+	// range, 0 while none.
+	first int64
 }
 
 // keyRange is a watched range as watcher holds it: end nil for one key,
@@ -61,7 +81,7 @@ func newNotifier(store Store, follower Follower) *notifier {
 	return &notifier{
 		store:     store,
 		follower:  follower,
-		interests: map[*stream]map[int64]keyRange{},
+		interests: map[*stream]map[int64]*interest{},
 		stop:      make(chan struct{}),
 	}
 }
@@ -96,10 +116,42 @@ func (n *notifier) watch(st *stream, id int64, r keyRange) {
 	defer n.mu.Unlock()
 	rs := n.interests[st]
 	if rs == nil {
-		rs = map[int64]keyRange{}
+		rs = map[int64]*interest{}
 		n.interests[st] = rs
 	}
-	rs[id] = r
+	rs[id] = &interest{keyRange: r, known: n.scanned + 1}
+}
+
+// skipQuiet moves each synced watcher of st past the revisions the scans
+// found no event of its in, from its position on: to its next event, or
+// past the scanned revision. etcd's synced watchers move with the head
+// likewise. Only st's send loop calls it (it owns the watchers), before
+// it reads the history.
+func (n *notifier) skipQuiet(st *stream) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	rs := n.interests[st]
+	for id, w := range st.watchers {
+		it := rs[id]
+		if it == nil || !w.synced || !w.active() || w.nextRev < it.known {
+			continue
+		}
+		to := n.scanned + 1
+		if it.first != 0 {
+			to = it.first
+		}
+		w.nextRev = max(w.nextRev, to)
+	}
+}
+
+// delivered starts the scans' record of st's watchers afresh after its
+// send loop moved them: from the next revision to scan on.
+func (n *notifier) delivered(st *stream) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, it := range n.interests[st] {
+		it.known, it.first = n.scanned+1, 0
+	}
 }
 
 // unwatch forgets watcher id of st.
@@ -120,13 +172,20 @@ func (n *notifier) run() {
 	defer close(n.done)
 	for {
 		changed := n.follower.Changed()
-		n.scan()
+		n.sync()
 		select {
 		case <-changed:
 		case <-n.stop:
 			return
 		}
 	}
+}
+
+// sync scans up to the store's revision now.
+func (n *notifier) sync() {
+	n.scanning.Lock()
+	defer n.scanning.Unlock()
+	n.scan()
 }
 
 // scan wakes the streams concerned by the events after scanned, up to the
@@ -158,8 +217,9 @@ func (n *notifier) scan() {
 	}
 }
 
-// wakeConcerned wakes each stream with a watcher of a key of batches, and
-// moves scanned to complete.
+// wakeConcerned wakes each stream with a watcher of a key of batches,
+// records the newest such revision of each watcher, and moves scanned to
+// complete.
 func (n *notifier) wakeConcerned(batches []revtree.Batch, complete int64) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -171,26 +231,35 @@ func (n *notifier) wakeConcerned(batches []revtree.Batch, complete int64) {
 	n.scanned = complete
 }
 
-// wakeAll wakes every stream and moves scanned to rev.
+// wakeAll wakes every stream and moves scanned to rev, forgetting what
+// the scans knew: the revisions up to rev were not read.
 func (n *notifier) wakeAll(rev int64) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	for st := range n.interests {
+	for st, rs := range n.interests {
+		for _, it := range rs {
+			it.known, it.first = rev+1, 0
+		}
 		st.wakeUp()
 	}
 	n.scanned = rev
 }
 
-// concerns reports whether any event of batches is in any of rs.
-func concerns(rs map[int64]keyRange, batches []revtree.Batch) bool {
+// concerns reports whether any event of batches is in any of rs, and
+// records in each the first revision of its events.
+func concerns(rs map[int64]*interest, batches []revtree.Batch) bool {
+	found := false
 	for _, b := range batches {
 		for _, ev := range b.Events {
-			for _, r := range rs {
-				if r.contains(ev.Kv.Key) {
-					return true
+			for _, it := range rs {
+				if it.contains(ev.Kv.Key) {
+					if it.first == 0 && b.Rev >= it.known {
+						it.first = b.Rev
+					}
+					found = true
 				}
 			}
 		}
 	}
-	return false
+	return found
 }

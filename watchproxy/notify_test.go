@@ -111,3 +111,35 @@ func TestNotifiedStreamsMissNoEvent(t *testing.T) {
 		}
 	}
 }
+
+// TestQuietWatcherSurvivesCompaction: a synced watcher that no event
+// concerns moves with the head, as etcd's synced watchers do, so a
+// compaction at the head, which drops the history below it at once, does
+// not cancel it, even while its send loop has not run since its last
+// event. (A watcher whose client has not read its events is canceled, as
+// in etcd: TestWatchCompactionCancelsSyncedWatcherOnlyOnceItsEventsAreGone.)
+func TestQuietWatcherSurvivesCompaction(t *testing.T) {
+	w := newWorld(t)
+	busy, quiet := w.watch(), w.watch()
+	checkCreated(t, busy.create(t, &pb.WatchCreateRequest{Key: []byte("a")}), 0, 1)
+	checkCreated(t, quiet.create(t, &pb.WatchCreateRequest{Key: []byte("b")}), 0, 1)
+	first := w.apply(put("b", "v"))
+	if got := revs(quiet.eventsOf(t, 0, first)); !slices.Equal(got, []int64{first}) {
+		t.Fatalf("quiet watcher got revisions %v, want [%d]", got, first)
+	}
+	var head int64
+	for range 50 {
+		head = w.apply(put("a", "v"))
+	}
+	if got := busy.eventsOf(t, 0, head); len(got) != 50 {
+		t.Fatalf("busy watcher got %d events, want 50", len(got))
+	}
+	// As the follower does before it compacts (SetBeforeCompact).
+	w.srv.SyncWatchers()
+	w.store.Compact(head)
+	w.follower.notify()
+	next := w.apply(put("b", "w"))
+	if got := revs(quiet.eventsOf(t, 0, next)); !slices.Equal(got, []int64{next}) {
+		t.Fatalf("quiet watcher got revisions %v after the compaction, want [%d]", got, next)
+	}
+}

@@ -406,6 +406,7 @@ func (st *stream) deliver() (more bool, err error) {
 	// last pass.
 	st.headerField = nil
 	defer st.countSent()
+	st.s.notify.skipQuiet(st)
 	rev := st.s.store.Rev()
 	compactRev := st.s.store.CompactRev()
 	st.passCompactRev = compactRev
@@ -434,6 +435,7 @@ func (st *stream) deliver() (more bool, err error) {
 			w.synced = true // sent everything up to the head
 		}
 	}
+	st.s.notify.delivered(st)
 	return more, nil
 }
 
