@@ -185,6 +185,12 @@
 //     (go_memstats_heap_alloc_bytes) counts garbage not yet collected, up to
 //     twice the live heap at GOGC=100. The benchmark's own clients keep
 //     little and the same amount before and after what is measured.
+//   - BenchmarkRestart: a restart of the proxy process over 100k and 1M
+//     keys of 1 KiB (-snapcache.e2e.restart-keys, .restart-value): the
+//     time from the new process's start to its /readyz, the bytes etcd
+//     sent (etcd_network_client_grpc_sent_bytes_total) and the CPU it
+//     spent meanwhile, and the proxy's memory once ready; b.N restarts,
+//     the medians reported.
 //
 // With -snapcache.e2e.auth, etcd has auth enabled (a root user, and a user
 // "bench" whose role may read and write /registry/), the proxy runs with
@@ -211,7 +217,8 @@
 // BenchmarkControlPlane's -snapcache.e2e.cp-objects, .cp-apiservers,
 // .cp-nodes, .cp-informers, .cp-steady, .cp-settle, .cp-rounds, .cp-rate,
 // .cp-watchlist, .cp-storm-load, .cp-topology, .cp-timeout (and .pprof); BenchmarkHistoryMemory's
-// -snapcache.e2e.keys, .revisions, .value, .budget, .writers. $ETCD_BIN
+// -snapcache.e2e.keys, .revisions, .value, .budget, .writers; BenchmarkRestart's
+// -snapcache.e2e.restart-keys, .restart-value. $ETCD_BIN
 // overrides the etcd binary, $SNAPCACHE_BIN the proxy's,
 // $KUBE_APISERVER_BIN kube-apiserver's, $KUBELOAD_BIN the load
 // generator's.

@@ -145,14 +145,17 @@ func (p *proxyProcess) waitReady(tb testing.TB) {
 
 // restart stops the proxy (SIGTERM, as a rolling update does) and starts
 // it again with the same flags, ports and data directory, and waits until
-// it is ready: it loads the keyspace from etcd again.
-func (p *proxyProcess) restart(tb testing.TB) {
+// it is ready: it loads the keyspace from etcd again. It returns the time
+// from the new process's start to its readiness.
+func (p *proxyProcess) restart(tb testing.TB) time.Duration {
 	tb.Helper()
 	p.stop(tb)
 	p.gen++
 	dir := filepath.Dir(p.logPath)
+	start := time.Now()
 	p.child = startChild(tb, fmt.Sprintf("etcd-snapcache.%d", p.gen), dir, p.cmd.Path, p.cmd.Args[1:])
 	p.waitReady(tb)
+	return time.Since(start)
 }
 
 // metrics scrapes the proxy's own metrics (/proxy/metrics: its /metrics
