@@ -62,8 +62,8 @@ type interest struct {
 	first int64
 }
 
-// keyRange is a watched range as watcher holds it: end nil for one key,
-// empty for every key from key on.
+// keyRange is a watched range: end nil for one key, empty for every key
+// from key on.
 type keyRange struct{ key, end []byte }
 
 func (r keyRange) contains(key []byte) bool {
@@ -145,12 +145,17 @@ func (n *notifier) skipQuiet(st *stream) {
 }
 
 // delivered starts the scans' record of st's watchers afresh after its
-// send loop moved them: from the next revision to scan on.
+// send loop moved them: from the next revision to scan on, or from a
+// watcher's position if its loop read past the scans (an event it was
+// already sent is not its next). Only st's send loop calls it.
 func (n *notifier) delivered(st *stream) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	for _, it := range n.interests[st] {
+	for id, it := range n.interests[st] {
 		it.known, it.first = n.scanned+1, 0
+		if w := st.watchers[id]; w != nil {
+			it.known = max(it.known, w.nextRev)
+		}
 	}
 }
 
@@ -218,7 +223,7 @@ func (n *notifier) scan() {
 }
 
 // wakeConcerned wakes each stream with a watcher of a key of batches,
-// records the newest such revision of each watcher, and moves scanned to
+// records each watcher's first such revision, and moves scanned to
 // complete.
 func (n *notifier) wakeConcerned(batches []revtree.Batch, complete int64) {
 	n.mu.Lock()

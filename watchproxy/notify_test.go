@@ -143,3 +143,28 @@ func TestQuietWatcherSurvivesCompaction(t *testing.T) {
 		t.Fatalf("quiet watcher got revisions %v after the compaction, want [%d]", got, next)
 	}
 }
+
+// TestSkipQuietAfterReadingPastTheScans: a send loop that read the history
+// past the notifier's scans (its watcher's event among what it read) still
+// skips the quiet revisions after its position: the event it was already
+// sent is not taken for its next.
+func TestSkipQuietAfterReadingPastTheScans(t *testing.T) {
+	w := newWorld(t)
+	n := newNotifier(w.store, w.follower)
+	n.scanned = w.store.Rev()
+	wt := &watcher{keyRange: keyRange{key: []byte("b")}, synced: true}
+	st := &stream{wake: make(chan struct{}, 1), watchers: map[int64]*watcher{0: wt}}
+	n.watch(st, 0, wt.keyRange)
+
+	w.applySilently(put("b", "v"))                  // 2, the watcher's
+	wt.nextRev = w.applySilently(put("a", "v")) + 1 // the loop read 2..3 before any scan
+	n.delivered(st)
+	n.scan()
+	w.applySilently(put("a", "v"))
+	head := w.applySilently(put("a", "v"))
+	n.scan()
+	n.skipQuiet(st)
+	if wt.nextRev != head+1 {
+		t.Fatalf("watcher at %d after skipQuiet, want %d: past the quiet revisions", wt.nextRev, head+1)
+	}
+}

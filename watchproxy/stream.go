@@ -314,7 +314,7 @@ func (st *stream) create(cr *pb.WatchCreateRequest) error {
 	w.synced = cr.StartRevision == 0 || (cr.StartRevision > rev && cr.StartRevision >= st.s.store.CompactRev())
 	w.idle = true
 	st.watchers[id] = w
-	st.s.notify.watch(st, id, keyRange{key: key, end: end})
+	st.s.notify.watch(st, id, w.keyRange)
 	st.s.m.watchersAdded(1)
 	return st.gs.Send(&pb.WatchResponse{Header: st.header(rev), WatchId: id, Created: true})
 }

@@ -12,11 +12,11 @@ import (
 
 // watcher is one watch of a stream.
 type watcher struct {
-	id  int64
-	key []byte
-	// end is nil for a single key, empty (non-nil) for "from key on",
-	// else the exclusive end, as etcd's watch stream encodes it.
-	end []byte
+	id int64
+	// keyRange is the watched range: end nil for a single key, empty
+	// (non-nil) for "from key on", else the exclusive end, as etcd's
+	// watch stream encodes it.
+	keyRange
 	// startRev is the requested start revision; nextRev the next revision
 	// whose events the watcher has not been sent.
 	startRev, nextRev int64
@@ -49,8 +49,7 @@ type watcher struct {
 func newWatcher(id int64, cr *pb.WatchCreateRequest, key, end []byte) *watcher {
 	w := &watcher{
 		id:             id,
-		key:            key,
-		end:            end,
+		keyRange:       keyRange{key: key, end: end},
 		startRev:       cr.StartRevision,
 		prevKV:         cr.PrevKv,
 		fragment:       cr.Fragment,
@@ -72,10 +71,6 @@ func newWatcher(id int64, cr *pb.WatchCreateRequest, key, end []byte) *watcher {
 
 // active reports whether the watcher is sent events from the history.
 func (w *watcher) active() bool { return !w.catchingUp && !w.compacted }
-
-func (w *watcher) contains(key []byte) bool {
-	return keyRange{key: w.key, end: w.end}.contains(key)
-}
 
 // wants reports whether the watcher is sent ev: its key is in range, and
 // no filter drops it.

@@ -364,7 +364,7 @@ func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
 
 	// All kube-apiservers starting at once, then the clients.
 	ph := cp.begin(b, side, "start-storm")
-	storm := cp.profileStorm(side, "start-storm", round)
+	storm := cp.profileStorm(b, side, "start-storm", round)
 	cp.startKubes(b, side, cp.kubes)
 	if _, err := cp.waitReady(cp.kubes); err != nil {
 		b.Fatal(err)
@@ -424,8 +424,8 @@ func (cp *controlPlane) pauseLoad(b *testing.B, load *kubeload, pause bool) {
 func (cp *controlPlane) restart(b *testing.B, side, name string, kubes []*cpKube, load *kubeload, round int) cpPhase {
 	ph := cp.begin(b, side, name)
 	var storm *profileRun
-	if len(kubes) > 1 {
-		storm = cp.profileStorm(side, name, round)
+	if name == "restart-all" {
+		storm = cp.profileStorm(b, side, name, round)
 	}
 	cp.stopKubes(b, kubes, true)
 	cp.startKubes(b, side, kubes)
@@ -445,9 +445,9 @@ func (cp *controlPlane) restartProxy(b *testing.B, load *kubeload) cpPhase {
 	// The stopped process's CPU and Ranges so far leave the phase's
 	// baseline: the new one's count from zero.
 	ph.proxyCPU0 -= processCPU(b, p.pid())
-	m := p.metrics(b)
-	ph.cached0 -= m.sum("etcd_snapcache_range_requests_total", `source="cache"`)
-	ph.forwarded0 -= m.sum("etcd_snapcache_range_requests_total", `source="forwarded"`)
+	cached, forwarded := p.ranges(b)
+	ph.cached0 -= cached
+	ph.forwarded0 -= forwarded
 	p.restart(b)
 	cp.sampleProxies()
 	cp.recover(b, ph, load)

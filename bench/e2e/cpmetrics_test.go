@@ -139,11 +139,18 @@ func (cp *controlPlane) proxiesCPU(b *testing.B) time.Duration {
 // their caches and forwarded, so far.
 func (cp *controlPlane) proxiesRanges(b *testing.B) (cached, forwarded float64) {
 	for _, p := range cp.fronts() {
-		m := p.metrics(b)
-		cached += m.sum("etcd_snapcache_range_requests_total", `source="cache"`)
-		forwarded += m.sum("etcd_snapcache_range_requests_total", `source="forwarded"`)
+		c, f := p.ranges(b)
+		cached += c
+		forwarded += f
 	}
 	return cached, forwarded
+}
+
+// ranges is the Ranges the proxy process answered from its cache and
+// forwarded since it started.
+func (p *proxyProcess) ranges(b *testing.B) (cached, forwarded float64) {
+	m := p.metrics(b)
+	return m.sum("etcd_snapcache_range_requests_total", `source="cache"`), m.sum("etcd_snapcache_range_requests_total", `source="forwarded"`)
 }
 
 // counters is a set of counters by key, that phases add and subtract.

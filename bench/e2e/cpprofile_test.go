@@ -50,14 +50,16 @@ type profileRun struct {
 }
 
 // startProfile starts a CPU profile of secs seconds of the process whose
-// HTTP endpoints (with /debug/pprof/) are at url.
-func (cp *controlPlane) startProfile(proc, url, side, phase string, round, secs int) *profileRun {
+// HTTP endpoints (with /debug/pprof/) are at url. Should the benchmark
+// fail before the phase waits for it, its cleanup does.
+func (cp *controlPlane) startProfile(b *testing.B, proc, url, side, phase string, round, secs int) *profileRun {
 	r := &profileRun{p: cpProfile{proc: proc, side: side, phase: phase, round: round, secs: secs}, done: make(chan struct{})}
 	name := fmt.Sprintf("%s-%s-%d-%s.pprof", proc, side, round, phase)
 	go func() {
 		defer close(r.done)
 		r.p.path, r.p.err = fetchProfile(url, filepath.Join(cp.profDir, name), secs)
 	}()
+	b.Cleanup(func() { <-r.done })
 	return r
 }
 
@@ -80,9 +82,9 @@ func (cp *controlPlane) waitProfile(r *profileRun) {
 func (cp *controlPlane) profileSteady(b *testing.B, load *kubeload, side, phase string, round int, start time.Time, phaseLen time.Duration) {
 	secs := min(cpProfileSecs, max(int(phaseLen.Seconds()), 1))
 	cp.hold(b, load, start.Add(max(phaseLen/2-time.Duration(secs)*time.Second/2, 0)))
-	runs := []*profileRun{cp.startProfile("etcd", cp.etcd.endpoint, side, phase, round, secs)}
+	runs := []*profileRun{cp.startProfile(b, "etcd", cp.etcd.endpoint, side, phase, round, secs)}
 	if side == "proxy" {
-		runs = append(runs, cp.startProfile("proxy", cp.proxies[0].endpoint, side, phase, round, secs))
+		runs = append(runs, cp.startProfile(b, "proxy", cp.proxies[0].endpoint, side, phase, round, secs))
 	}
 	for _, r := range runs {
 		cp.waitProfile(r)
@@ -91,11 +93,11 @@ func (cp *controlPlane) profileSteady(b *testing.B, load *kubeload, side, phase 
 
 // profileStorm starts a profile of etcd's CPU from a storm's start, with
 // -snapcache.e2e.pprof; nil without.
-func (cp *controlPlane) profileStorm(side, phase string, round int) *profileRun {
+func (cp *controlPlane) profileStorm(b *testing.B, side, phase string, round int) *profileRun {
 	if !*cmpPprof {
 		return nil
 	}
-	return cp.startProfile("etcd", cp.etcd.endpoint, side, phase, round, cpStormProfileSecs)
+	return cp.startProfile(b, "etcd", cp.etcd.endpoint, side, phase, round, cpStormProfileSecs)
 }
 
 // waitStormProfile waits for a storm's profile, if one was started.
