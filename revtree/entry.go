@@ -1,6 +1,7 @@
 package revtree
 
 import (
+	"fmt"
 	"unsafe"
 
 	"google.golang.org/protobuf/encoding/protowire"
@@ -208,4 +209,101 @@ func AppendRangeResponse(b []byte, r *pb.RangeRequest, resp *pb.RangeResponse) (
 		b = protowire.AppendVarint(b, uint64(resp.Count))
 	}
 	return b, nil
+}
+
+// AppendKeyValue appends the protobuf encoding of kv, the bytes
+// proto.Marshal gives, copied from the stored encoding. kv must be a
+// KeyValue of the store: one a View returned, or the Kv or PrevKv of a put
+// event the store holds (a delete's Kv is the tombstone etcd sent, not the
+// store's).
+func AppendKeyValue(b []byte, kv *mvccpb.KeyValue) ([]byte, error) {
+	if enc := encoding(kv); enc != nil {
+		return append(b, enc...), nil
+	}
+	out, err := proto.MarshalOptions{}.MarshalAppend(b, kv)
+	if err != nil {
+		return b, fmt.Errorf("encoding key %q: %w", kv.Key, err)
+	}
+	return out, nil
+}
+
+// DecodeKeyValue returns the store's copy of the KeyValue encoded in enc,
+// the one newEntry makes of it, copying enc once: a store restored from
+// the encodings it gave out (AppendKeyValue) takes them back as they are.
+// An encoding other than the one newEntry makes (fields out of order,
+// default values written, unknown fields) is decoded and encoded again.
+func DecodeKeyValue(enc []byte) (*mvccpb.KeyValue, error) {
+	if kv, ok := decodeCanonical(enc); ok {
+		return kv, nil
+	}
+	kv := &mvccpb.KeyValue{}
+	if err := proto.Unmarshal(enc, kv); err != nil {
+		return nil, fmt.Errorf("decoding a key-value: %w", err)
+	}
+	if len(kv.Key) == 0 {
+		return nil, fmt.Errorf("decoding a key-value: no key")
+	}
+	return newEntry(kv), nil
+}
+
+// decodeCanonical is DecodeKeyValue for an encoding as newEntry makes it:
+// key first and not empty, then each other field once, in field order,
+// none at its default value, nothing unknown.
+func decodeCanonical(enc []byte) (*mvccpb.KeyValue, bool) {
+	if len(enc) == 0 || len(enc) > 1<<31-1 {
+		return nil, false
+	}
+	e := &entry{encLen: int32(len(enc))}
+	buf := make([]byte, len(enc))
+	copy(buf, enc)
+	b := buf
+	last := protowire.Number(0)
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 || num <= last || num > 6 {
+			return nil, false
+		}
+		b, last = b[n:], num
+		switch typ {
+		case protowire.BytesType:
+			v, n := protowire.ConsumeBytes(b)
+			if n < 0 || len(v) == 0 {
+				return nil, false
+			}
+			off := len(buf) - len(b) + n - len(v)
+			switch num {
+			case 1:
+				e.kv.Key = buf[off : off+len(v) : off+len(v)]
+			case 5:
+				e.kv.Value = buf[off : off+len(v) : off+len(v)]
+			default:
+				return nil, false
+			}
+			b = b[n:]
+		case protowire.VarintType:
+			v, n := protowire.ConsumeVarint(b)
+			if n < 0 || v == 0 || n != protowire.SizeVarint(v) {
+				return nil, false
+			}
+			switch num {
+			case 2:
+				e.kv.CreateRevision = int64(v)
+			case 3:
+				e.kv.ModRevision = int64(v)
+			case 4:
+				e.kv.Version = int64(v)
+			case 6:
+				e.kv.Lease = int64(v)
+			default:
+				return nil, false
+			}
+			b = b[n:]
+		default:
+			return nil, false
+		}
+	}
+	if e.kv.Key == nil || &e.kv.Key[0] != &buf[1+protowire.SizeVarint(uint64(len(e.kv.Key)))] {
+		return nil, false
+	}
+	return &e.kv, true
 }

@@ -209,17 +209,7 @@ func (s *Store) publishLocked() {
 func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	index := btree.NewG(s.degree, keyHistoryLess)
-	var live, indexBytes int64
-	for _, kv := range kvs {
-		kv = newEntry(kv)
-		if old, replaced := index.ReplaceOrInsert(newKeyHistory([]version{{rev: kv.ModRevision, kv: kv}}, 1)); replaced {
-			live -= storedBytes(old.latest())
-			indexBytes -= keyHistoryBytes(1)
-		}
-		live += storedBytes(kv)
-		indexBytes += keyHistoryBytes(1)
-	}
+	index, live, indexBytes := s.newIndex(kvs, false)
 	s.index, s.indexChanged = index, true
 	snaps := btree.NewG(32, snapshotLess)
 	snaps.ReplaceOrInsert(&snapshot{rev: rev})
@@ -227,15 +217,100 @@ func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.publishLocked()
+	s.replaceLocked(snaps, rev, compactRev)
+	s.liveBytes, s.historyBytes, s.indexBytes = live, 0, indexBytes
+	s.liveKeys, s.indexKeys = index.Len(), index.Len()
+}
+
+// newIndex returns a key index of the store's copies of kvs (kvs
+// themselves if stored), with the bytes of its KeyValues and of its keys'
+// histories.
+func (s *Store) newIndex(kvs []*mvccpb.KeyValue, stored bool) (index *btree.BTreeG[*keyHistory], live, indexBytes int64) {
+	index = btree.NewG(s.degree, keyHistoryLess)
+	for _, kv := range kvs {
+		if !stored {
+			kv = newEntry(kv)
+		}
+		if old, replaced := index.ReplaceOrInsert(newKeyHistory([]version{{rev: kv.ModRevision, kv: kv}}, 1)); replaced {
+			live -= storedBytes(old.latest())
+			indexBytes -= keyHistoryBytes(1)
+		}
+		live += storedBytes(kv)
+		indexBytes += keyHistoryBytes(1)
+	}
+	return index, live, indexBytes
+}
+
+// replaceLocked makes snaps the store's snapshots, at revision rev, in a
+// new generation. writeMu and mu are held.
+func (s *Store) replaceLocked(snaps *btree.BTreeG[*snapshot], rev, compactRev int64) {
 	s.snapshots = snaps
 	s.rev = rev
 	s.compactRev = max(s.compactRev, compactRev)
 	s.loaded = true
-	s.liveBytes, s.historyBytes, s.indexBytes = live, 0, indexBytes
-	s.liveKeys, s.indexKeys = index.Len(), index.Len()
 	s.pendingBytes, s.sweep, s.dirty = 0, sweep{}, nil
 	s.gen++
 	s.flat.dropBelow(s.gen, rev)
+}
+
+// Restore replaces the whole store with kvs as the keyspace at base and
+// the events of the revisions after it, up to rev, as Reset(base, kvs,
+// compactRev), an Apply of each batch and Advance(rev) would: for a
+// keyspace and history read back from disk, with the index published once
+// rather than at every revision. kvs, and the Kv of every put event, must
+// be DecodeKeyValue's: the store keeps them as they are. The events need
+// no PrevKv: it is filled in from the store, as Apply fills it. Each batch must follow the one
+// before, from base on, and rev must be at least the last batch's; else
+// Restore returns ErrInconsistent and the store is unchanged. History
+// over the budget is dropped, oldest first, as Apply drops it.
+func (s *Store) Restore(base int64, kvs []*mvccpb.KeyValue, batches []Batch, rev, compactRev int64) error {
+	s.writeMu.Lock()
+	defer s.writeMu.Unlock()
+	index, live, indexBytes := s.newIndex(kvs, true)
+	snaps := btree.NewG(32, snapshotLess)
+	snaps.ReplaceOrInsert(&snapshot{rev: base})
+	total := indexDelta{live: live, indexBytes: indexBytes, liveKeys: index.Len(), indexKeys: index.Len()}
+	var historyBytes int64
+	// The checks and the index work on the writer's index, which readers
+	// never see until it is published: swap the new one in, and back on
+	// failure.
+	old, oldChanged := s.index, s.indexChanged
+	s.index = index
+	last := base
+	for _, b := range batches {
+		err := s.checkEvents(b.Rev, b.Events)
+		if err == nil && b.Rev <= last {
+			err = fmt.Errorf("%w: revision %d follows %d", ErrInconsistent, b.Rev, last)
+		}
+		if err != nil {
+			s.index, s.indexChanged = old, oldChanged
+			return err
+		}
+		snap, d := s.indexEvents(b.Rev, b.Events, true)
+		snaps.ReplaceOrInsert(snap)
+		historyBytes += snap.bytes
+		total.live += d.live
+		total.indexBytes += d.indexBytes
+		total.liveKeys += d.liveKeys
+		total.indexKeys += d.indexKeys
+		last = b.Rev
+	}
+	if rev < last {
+		s.index, s.indexChanged = old, oldChanged
+		return fmt.Errorf("%w: restored at revision %d below its last event's %d", ErrInconsistent, rev, last)
+	}
+	s.indexChanged = true
+
+	s.mu.Lock()
+	s.publishLocked()
+	s.replaceLocked(snaps, rev, compactRev)
+	s.liveBytes, s.historyBytes, s.indexBytes = total.live, historyBytes, total.indexBytes
+	s.liveKeys, s.indexKeys = total.liveKeys, total.indexKeys
+	s.trimLocked()
+	s.startSweepLocked()
+	s.mu.Unlock()
+	s.sweepAll()
+	return nil
 }
 
 // Unload discards the keyspace and every snapshot, and keeps the revision
@@ -272,57 +347,13 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 	if err := s.checkEvents(rev, events); err != nil {
 		return nil, err
 	}
-	// What this revision adds to history (memory.go): its snapshot, its
-	// events and the KeyValues it displaces; and to the index, its
-	// versions and new keys.
-	snap := &snapshot{rev: rev, events: events, bytes: snapshotOverhead}
-	var live, indexBytes int64
-	var liveKeys, indexKeys int
-	pivot := &keyHistory{}
-	for _, ev := range events {
-		pivot.key = ev.Kv.Key
-		h, _ := s.index.Get(pivot)
-		var prev *mvccpb.KeyValue
-		if h != nil {
-			prev = h.latest()
-		}
-		ev.PrevKv = prev
-		snap.bytes += eventBytes
-		if prev != nil {
-			live -= storedBytes(prev)
-			snap.displaced += storedBytes(prev)
-			liveKeys--
-		}
-		var kv *mvccpb.KeyValue
-		switch ev.Type {
-		case mvccpb.PUT:
-			kv = newEntry(ev.Kv)
-			ev.Kv = kv
-			live += storedBytes(kv)
-			liveKeys++
-		case mvccpb.DELETE:
-			snap.bytes += kvBytes(ev.Kv) // the tombstone
-		}
-		if h == nil {
-			s.index.ReplaceOrInsert(newKeyHistory([]version{{rev: rev, kv: kv}}, 1))
-			s.indexChanged = true
-			indexBytes += keyHistoryBytes(1)
-			indexKeys++
-			continue
-		}
-		indexBytes += h.add(version{rev: rev, kv: kv})
-	}
-	snap.bytes += snap.displaced
+	snap, d := s.indexEvents(rev, events, false)
 
 	s.mu.Lock()
 	s.publishLocked()
 	s.snapshots.ReplaceOrInsert(snap)
 	s.rev = rev
-	s.liveBytes += live
-	s.liveKeys += liveKeys
-	s.indexKeys += indexKeys
-	s.indexBytes += indexBytes
-	s.historyBytes += snap.bytes
+	s.addLocked(snap, d)
 	s.trimLocked()
 	s.startSweepLocked()
 	overdue := s.sweepOverdueLocked()
@@ -335,6 +366,72 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 		s.sweepStep()
 	}
 	return events, nil
+}
+
+// indexDelta is what applying revisions changed in the store's counts.
+type indexDelta struct {
+	live, indexBytes    int64
+	liveKeys, indexKeys int
+}
+
+// addLocked counts a revision's snapshot and changes in. mu is held.
+func (s *Store) addLocked(snap *snapshot, d indexDelta) {
+	s.liveBytes += d.live
+	s.liveKeys += d.liveKeys
+	s.indexKeys += d.indexKeys
+	s.indexBytes += d.indexBytes
+	s.historyBytes += snap.bytes
+}
+
+// indexEvents adds the events of revision rev, checked by checkEvents, to
+// the writer's index, and returns the revision's snapshot and what it
+// changed. It fills in each event's PrevKv and, unless stored, replaces
+// each put's Kv with the store's copy of it. writeMu is held.
+func (s *Store) indexEvents(rev int64, events []*mvccpb.Event, stored bool) (*snapshot, indexDelta) {
+	// What this revision adds to history (memory.go): its snapshot, its
+	// events and the KeyValues it displaces; and to the index, its
+	// versions and new keys.
+	snap := &snapshot{rev: rev, events: events, bytes: snapshotOverhead}
+	var d indexDelta
+	pivot := &keyHistory{}
+	for _, ev := range events {
+		pivot.key = ev.Kv.Key
+		h, _ := s.index.Get(pivot)
+		var prev *mvccpb.KeyValue
+		if h != nil {
+			prev = h.latest()
+		}
+		ev.PrevKv = prev
+		snap.bytes += eventBytes
+		if prev != nil {
+			d.live -= storedBytes(prev)
+			snap.displaced += storedBytes(prev)
+			d.liveKeys--
+		}
+		var kv *mvccpb.KeyValue
+		switch ev.Type {
+		case mvccpb.PUT:
+			kv = ev.Kv
+			if !stored {
+				kv = newEntry(kv)
+				ev.Kv = kv
+			}
+			d.live += storedBytes(kv)
+			d.liveKeys++
+		case mvccpb.DELETE:
+			snap.bytes += kvBytes(ev.Kv) // the tombstone
+		}
+		if h == nil {
+			s.index.ReplaceOrInsert(newKeyHistory([]version{{rev: rev, kv: kv}}, 1))
+			s.indexChanged = true
+			d.indexBytes += keyHistoryBytes(1)
+			d.indexKeys++
+			continue
+		}
+		d.indexBytes += h.add(version{rev: rev, kv: kv})
+	}
+	snap.bytes += snap.displaced
+	return snap, d
 }
 
 // checkEvents verifies, without changing anything, that events can follow
@@ -459,6 +556,14 @@ func (s *Store) floorLocked(rev int64) *snapshot {
 	return found
 }
 
+// Generation counts the Resets, Restores and Unloads: two reads of the
+// store in one generation read one history.
+func (s *Store) Generation() uint64 {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.gen
+}
+
 // Loaded reports whether the store holds a keyspace (Reset has been called).
 func (s *Store) Loaded() bool {
 	s.mu.RLock()
@@ -551,12 +656,26 @@ type View struct {
 	flat  *flatRanges
 }
 
+// ViewHeld is View without etcd's compaction check: the keyspace at any
+// revision the store still holds, for a copy of the store's history.
+func (s *Store) ViewHeld(rev int64) (View, error) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.viewLocked(rev, false)
+}
+
 // View returns the keyspace at rev (0 means the store's revision), with
 // etcd's errors for a compacted or future revision, ErrNotRetained for a
 // revision older than the retained snapshots, and ErrNotLoaded before Reset.
 func (s *Store) View(rev int64) (View, error) {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
+	return s.viewLocked(rev, true)
+}
+
+// viewLocked is View, with etcd's compaction check if compacted; mu is
+// held.
+func (s *Store) viewLocked(rev int64, compacted bool) (View, error) {
 	if !s.loaded {
 		return View{}, ErrNotLoaded
 	}
@@ -567,7 +686,7 @@ func (s *Store) View(rev int64) (View, error) {
 	if rev <= 0 {
 		rev = s.rev
 	}
-	if rev < s.compactRev {
+	if compacted && rev < s.compactRev {
 		return View{}, ErrCompacted
 	}
 	floor := s.floorLocked(rev)
