@@ -1,0 +1,203 @@
+package persist
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"runtime"
+	"sync"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+	"go.uber.org/zap"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree"
+)
+
+// Restore fills the store from the copy on disk, if there is a whole one,
+// and returns the etcd cluster it was taken from. It reports false when
+// there is none or it is damaged (and says why in the log and the
+// etcd_snapcache_disk_restores_total metric); the store is then
+// unchanged. The caller must prove the restored store is etcd's history
+// before serving from it, and tell Accepted or Refused.
+func (p *Persister) Restore(ctx context.Context) (cluster uint64, ok bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	start := time.Now()
+	if err := os.Remove(p.path + ".new"); err == nil {
+		p.lg.Info("removed a whole copy that a previous process did not finish writing", zap.String("path", p.path+".new"))
+	}
+	if _, err := os.Stat(p.path); errors.Is(err, fs.ErrNotExist) {
+		p.lg.Info("no copy of the cache on disk: loading from etcd", zap.String("path", p.path))
+		p.m.observeRestore("none")
+		return 0, false
+	}
+	s, err := p.restoreLocked(ctx)
+	if err != nil {
+		result := "damaged"
+		if !errors.Is(err, ErrCorrupt) && !errors.Is(err, revtree.ErrInconsistent) {
+			result = "unreadable"
+		}
+		p.m.observeRestore(result)
+		p.lg.Warn("cannot use the cache's copy on disk: loading from etcd", zap.String("path", p.path), zap.Error(err))
+		p.discardLocked()
+		return 0, false
+	}
+	p.lg.Info("restored the cache from its copy on disk; verifying it against etcd before serving",
+		zap.String("path", p.path), zap.Uint64("cluster-id", s.cluster),
+		zap.Int64("base-revision", s.base), zap.Int64("revision", s.rev), zap.Int64("compact-revision", s.compactRev),
+		zap.Duration("took", time.Since(start)))
+	return s.cluster, true
+}
+
+// Accepted records that the restored store was proven to be etcd's
+// history: the copy is continued from it.
+func (p *Persister) Accepted() {
+	p.m.observeRestore("warm")
+	p.lg.Info("the cache's copy on disk is etcd's history: serving it, and reading from etcd only what changed since", zap.String("path", p.path))
+}
+
+// Refused records that the restored store failed a check against etcd
+// (check names it); the copy is thrown away, and the next write makes a
+// whole new one.
+func (p *Persister) Refused(check string, err error) {
+	p.m.observeRestore(check)
+	p.lg.Warn("the cache's copy on disk is not etcd's history: throwing it away and loading from etcd",
+		zap.String("path", p.path), zap.String("check", check), zap.Error(err))
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.discardLocked()
+}
+
+// discardLocked removes the copy: it cannot serve, and should not be read
+// again by a later start.
+func (p *Persister) discardLocked() {
+	p.closeDBLocked()
+	p.gen, p.disk = 0, state{}
+	if err := os.Remove(p.path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		p.lg.Warn("cannot remove the cache's copy on disk", zap.String("path", p.path), zap.Error(err))
+	}
+}
+
+// restoreLocked opens the copy, reads it whole and restores the store.
+func (p *Persister) restoreLocked(ctx context.Context) (state, error) {
+	db, err := openDB(p.path, false)
+	if err != nil {
+		return state{}, err
+	}
+	var s state
+	var kvs []*mvccpb.KeyValue
+	var batches []revtree.Batch
+	err = db.View(func(tx *bolt.Tx) error {
+		meta, kvb, evb := tx.Bucket(metaBucket), tx.Bucket(kvBucket), tx.Bucket(eventsBucket)
+		if meta == nil || kvb == nil || evb == nil {
+			return fmt.Errorf("%w: buckets missing", ErrCorrupt)
+		}
+		rec := meta.Get(stateKey)
+		if rec == nil {
+			return fmt.Errorf("%w: no state record: the copy was never finished", ErrCorrupt)
+		}
+		var err error
+		if s, err = unmarshalState(rec); err != nil {
+			return err
+		}
+		if kvs, err = readKVs(ctx, kvb); err != nil {
+			return err
+		}
+		batches, err = readEvents(ctx, evb, s)
+		return err
+	})
+	if err == nil {
+		err = p.cfg.Store.Restore(s.base, kvs, batches, s.rev, s.compactRev)
+	}
+	if err != nil {
+		db.Close()
+		return state{}, err
+	}
+	p.db, p.disk, p.gen = db, s, p.cfg.Store.Generation()
+	return s, nil
+}
+
+// readKVs decodes the kv bucket, on every core: bbolt hands out its keys
+// and values in key order without copying, and decoding is most of a
+// restore's work.
+func readKVs(ctx context.Context, b *bolt.Bucket) ([]*mvccpb.KeyValue, error) {
+	var recs [][2][]byte
+	c := b.Cursor()
+	for k, v := c.First(); k != nil; k, v = c.Next() {
+		if v == nil {
+			return nil, fmt.Errorf("%w: a nested bucket in kv", ErrCorrupt)
+		}
+		recs = append(recs, [2][]byte{k, v})
+	}
+	kvs := make([]*mvccpb.KeyValue, len(recs))
+	workers := min(runtime.GOMAXPROCS(0), max(1, len(recs)/4096))
+	errs := make([]error, workers)
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// Contiguous ranges: each worker reads its part of the
+			// file in order.
+			lo, hi := w*len(recs)/workers, (w+1)*len(recs)/workers
+			for i := lo; i < hi; i++ {
+				if (i-lo)%4096 == 0 && ctx.Err() != nil {
+					errs[w] = ctx.Err()
+					return
+				}
+				kv, err := unmarshalKV(recs[i][1])
+				if err != nil {
+					errs[w] = err
+					return
+				}
+				// The key is the record's own: a record under another
+				// key is damage.
+				if string(kv.Key) != string(recs[i][0]) {
+					errs[w] = fmt.Errorf("%w: key %q holds the record of %q", ErrCorrupt, recs[i][0], kv.Key)
+					return
+				}
+				kvs[i] = kv
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	return kvs, nil
+}
+
+// readEvents decodes the events bucket: revisions in order, each in (base,
+// rev].
+func readEvents(ctx context.Context, b *bolt.Bucket, s state) ([]revtree.Batch, error) {
+	var batches []revtree.Batch
+	c := b.Cursor()
+	for k, v := c.First(); k != nil; k, v = c.Next() {
+		if len(batches)%4096 == 0 && ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		rev, err := revOf(k)
+		if err != nil {
+			return nil, err
+		}
+		if rev <= s.base || rev > s.rev {
+			return nil, fmt.Errorf("%w: revision %d outside the copy's (%d, %d]", ErrCorrupt, rev, s.base, s.rev)
+		}
+		events, err := unmarshalEvents(v)
+		if err != nil {
+			return nil, fmt.Errorf("revision %d: %w", rev, err)
+		}
+		for _, ev := range events {
+			if ev.Kv.ModRevision != rev {
+				return nil, fmt.Errorf("%w: an event of revision %d stored as %d", ErrCorrupt, ev.Kv.ModRevision, rev)
+			}
+		}
+		batches = append(batches, revtree.Batch{Rev: rev, Events: events})
+	}
+	return batches, nil
+}
