@@ -106,10 +106,14 @@ func (f *Follower) feed(ctx context.Context) {
 	needLoad := true
 	// replay: the first load replays etcd's retained history.
 	replay := f.cfg.LoadRetainedHistory
+	// warm: the first load starts from the copy on disk.
+	warm := f.cfg.Disk != nil
 	for ctx.Err() == nil {
 		loads := f.loads.Load()
 		var err error
 		switch {
+		case needLoad && warm:
+			err = f.warmStart(ctx, bo)
 		case needLoad && replay:
 			// From etcd's compaction revision: the watch is one etcd
 			// catches up, by design.
@@ -130,6 +134,10 @@ func (f *Follower) feed(ctx context.Context) {
 		if ctx.Err() != nil {
 			break
 		}
+		if errors.Is(err, errNoDiskCopy) || errors.Is(err, errDiskRefused) {
+			warm, needLoad, replay = false, true, f.cfg.LoadRetainedHistory
+			continue
+		}
 		var reload *reloadError
 		if needLoad && !errors.As(err, &reload) {
 			// The load failed, or the watch it opens first did.
@@ -142,6 +150,11 @@ func (f *Follower) feed(ctx context.Context) {
 			continue
 		}
 		if errors.As(err, &reload) {
+			if f.warm.restored {
+				// A sign of another history came before the copy on
+				// disk was verified: it is not served.
+				_ = f.refuseDisk(reload.reason, reload.err)
+			}
 			f.takeReloadReason() // this reload serves any asked for meanwhile
 			f.lg.Warn("reloading the keyspace from etcd", zap.String("reason", reload.reason), zap.Error(reload.err))
 			f.m.observeReload(reload.reason)
@@ -446,6 +459,9 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMo
 			// watcher is behind etcd's compaction, and etcd would cancel
 			// it.
 			err := fmt.Errorf("watch from revision %d canceled: compacted at %d", startRev, resp.CompactRevision)
+			if f.warm.restored {
+				return f.refuseDisk("compacted", err)
+			}
 			f.timelineChanged("compacted-resume", err)
 			return &reloadError{reason: "compacted", err: err}
 		case resp.Canceled && mode == loadAtHead:

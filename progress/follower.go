@@ -51,6 +51,10 @@ type Config struct {
 	// revisions at rev are the store's: it runs on every resume of the
 	// upstream watch, before the store serves again (timeline.go).
 	VerifyHistory func(ctx context.Context, rev int64) (bool, error)
+	// Disk, if set, is the copy of the cache a previous process left on
+	// disk: the first load restores it and follows etcd from its
+	// revision, once it is proven etcd's history (warm.go).
+	Disk DiskCopy
 }
 
 // Follower keeps a revtree.Store in step with etcd. Create it with New and
@@ -94,6 +98,7 @@ type Follower struct {
 	life      *lifecycle  // the phase: loading, serving, reloading, stopped
 	following followState // the upstream watch is established, and since when not
 	timeline  timeline
+	warm      warmState // the feed's warm start from Config.Disk
 	// verified is the generation of the upstream watch stream while it is
 	// established and verified to continue the store's history; 0 while
 	// none is. A read fence holds only if one stream was, from before its
@@ -246,6 +251,14 @@ func (s *followState) downSince() time.Time {
 // unknown (not read yet, or Status refused, as etcd 3.6 refuses non-admins
 // with auth on).
 func (f *Follower) UpstreamVersion() string { return f.upstream.getVersion() }
+
+// ClusterID is the id of the etcd cluster whose history the store holds,
+// 0 before the first load.
+func (f *Follower) ClusterID() uint64 {
+	f.timeline.mu.Lock()
+	defer f.timeline.mu.Unlock()
+	return f.timeline.clusterID
+}
 
 // FillHeader sets h's cluster_id, member_id and raft_term to those of the
 // latest upstream response, for responses served from the store.

@@ -156,6 +156,9 @@ func reloadReasonFor(sign string) string {
 // every key's mod revision at rev. With next (etcd compacted at rev+1),
 // rev cannot be read in etcd any more, and only the head is compared.
 func (f *Follower) verifyResume(ctx context.Context, rev int64, next bool) error {
+	if f.warm.restored {
+		return f.verifyWarm(ctx, rev, next)
+	}
 	w := f.witness()
 	resp, err := f.kv.Range(ctx, &pb.RangeRequest{Key: probeKey, CountOnly: true})
 	if err != nil {
