@@ -148,6 +148,13 @@ type Config struct {
 	// before /readyz and the gRPC health service report the proxy not
 	// ready (0: never).
 	UpstreamLostThreshold time.Duration
+	// Inherited, if it has a Client, are the listening sockets a running
+	// proxy handed over: they are served instead of ListenAddr and
+	// MetricsAddr, from when the proxy is ready.
+	Inherited Inherited
+	// OnReady, if set, is called once, when the proxy is first ready and
+	// accepts (systemd's READY=1, a handover's signal to drain).
+	OnReady func()
 	// BeforeLoadPage is called before each page of a load; tests only.
 	BeforeLoadPage func()
 	// ConsistencyCheckInterval is how often the cache is checked against
@@ -162,6 +169,12 @@ type Config struct {
 	CompactionProbeInterval time.Duration
 	// LoadRetainedHistory replays etcd's retained history at start.
 	LoadRetainedHistory bool
+	// PersistDir, if set, is where the cache keeps its copy on disk
+	// (package persist): a restart starts warm from it. PersistInterval
+	// is how often the copy is brought up to date (persist.DefaultInterval
+	// if 0).
+	PersistDir      string
+	PersistInterval time.Duration
 	// LoadPageSize is the page size of the initial load (at least 1).
 	LoadPageSize int64
 	// MaxRequestBytes is etcd's --max-request-bytes of the upstream: the

@@ -50,31 +50,99 @@ func (s *Server) servingTLS() (*transport.TLSInfo, error) {
 	return &info, nil
 }
 
-// listenMetrics listens on --metrics-addr: a URL, http:// or https://
-// (served with the serving TLS), as grpc-proxy takes it, or a plain
-// host:port served over HTTP.
-func listenMetrics(addr string, tlsInfo *transport.TLSInfo) (net.Listener, error) {
-	scheme, host := "http", addr
+// listen binds the client port and --metrics-addr, or takes the sockets a
+// handover passed on; these accept nothing until the proxy is ready.
+func (s *Server) listen() error {
+	s.acceptsOpen = make(chan struct{})
+	in := s.cfg.Inherited
+	if in.Client != nil {
+		s.clientRaw, s.metricsRaw = in.Client, in.Metrics
+		s.clientLis = holdAccepts(in.Client, s.acceptsOpen)
+		if s.cfg.MetricsAddr == "" || in.Metrics == nil {
+			if in.Metrics != nil {
+				in.Metrics.Close()
+				s.metricsRaw = nil
+			}
+			if s.cfg.MetricsAddr != "" {
+				return fmt.Errorf("--metrics-addr %s: the process handing over did not serve it", s.cfg.MetricsAddr)
+			}
+			return nil
+		}
+		l, err := wrapMetrics(s.cfg.MetricsAddr, holdAccepts(in.Metrics, s.acceptsOpen), s.tls)
+		s.metricsLis = l
+		return err
+	}
+	close(s.acceptsOpen)
+	var err error
+	if s.clientRaw, err = net.Listen("tcp", s.cfg.ListenAddr); err != nil {
+		return fmt.Errorf("--listen-addr %s: %w", s.cfg.ListenAddr, err)
+	}
+	s.clientLis = s.clientRaw
+	if s.cfg.MetricsAddr != "" {
+		host, _, err := metricsScheme(s.cfg.MetricsAddr, s.tls)
+		if err != nil {
+			return err
+		}
+		if s.metricsRaw, err = net.Listen("tcp", host); err != nil {
+			return fmt.Errorf("--metrics-addr %q: %w", s.cfg.MetricsAddr, err)
+		}
+		if s.metricsLis, err = wrapMetrics(s.cfg.MetricsAddr, s.metricsRaw, s.tls); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// firstReadiness lets the listeners accept if they were handed over, and
+// calls OnReady: the proxy is ready for the first time.
+func (s *Server) firstReadiness() {
+	select {
+	case <-s.acceptsOpen:
+	default:
+		close(s.acceptsOpen)
+		s.lg.Info("accepting on the sockets handed over; the old process drains")
+	}
+	if s.cfg.OnReady != nil {
+		s.cfg.OnReady()
+	}
+}
+
+// wrapMetrics serves --metrics-addr on l, with the serving TLS if its
+// scheme is https.
+func wrapMetrics(addr string, l net.Listener, tlsInfo *transport.TLSInfo) (net.Listener, error) {
+	_, scheme, err := metricsScheme(addr, tlsInfo)
+	if err != nil {
+		return nil, err
+	}
+	if scheme == "http" {
+		return l, nil
+	}
+	tl, err := transport.NewTLSListener(l, tlsInfo)
+	if err != nil {
+		return nil, fmt.Errorf("--metrics-addr %q: %w", addr, err)
+	}
+	return tl, nil
+}
+
+// metricsScheme parses --metrics-addr: a URL, http:// or https:// (served
+// with the serving TLS), as grpc-proxy takes it, or a plain host:port
+// served over HTTP.
+func metricsScheme(addr string, tlsInfo *transport.TLSInfo) (host, scheme string, err error) {
+	scheme, host = "http", addr
 	if strings.Contains(addr, "://") {
 		u, err := url.Parse(addr)
 		if err != nil {
-			return nil, fmt.Errorf("--metrics-addr %q: %w", addr, err)
+			return "", "", fmt.Errorf("--metrics-addr %q: %w", addr, err)
 		}
 		scheme, host = u.Scheme, u.Host
 	}
 	switch {
 	case scheme != "http" && scheme != "https":
-		return nil, fmt.Errorf("--metrics-addr %q: scheme %q, want http or https", addr, scheme)
+		return "", "", fmt.Errorf("--metrics-addr %q: scheme %q, want http or https", addr, scheme)
 	case scheme == "https" && tlsInfo == nil:
-		return nil, fmt.Errorf("--metrics-addr %q: https needs serving TLS (--cert-file and --key-file, or --auto-tls)", addr)
-	case scheme == "http":
-		tlsInfo = nil
+		return "", "", fmt.Errorf("--metrics-addr %q: https needs serving TLS (--cert-file and --key-file, or --auto-tls)", addr)
 	}
-	l, err := transport.NewListener(host, scheme, tlsInfo)
-	if err != nil {
-		return nil, fmt.Errorf("--metrics-addr %q: %w", addr, err)
-	}
-	return l, nil
+	return host, scheme, nil
 }
 
 // newHTTPServer returns an HTTP server of h with etcd's settings: client

@@ -28,6 +28,7 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
+	"github.com/etcd-snapcache/etcd-snapcache/persist"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
@@ -45,10 +46,19 @@ type Server struct {
 	gate     *gate.Gate
 	store    *revtree.Store
 	follower *progress.Follower
-	registry *prometheus.Registry
+	// persister keeps the cache's copy on disk; nil without PersistDir.
+	persister *persist.Persister
+	registry  *prometheus.Registry
 
-	grpcServer        *grpc.Server
-	clientLis         net.Listener // gRPC and HTTP
+	grpcServer *grpc.Server
+	clientLis  net.Listener // gRPC and HTTP
+	// clientRaw and metricsRaw are the listening sockets under
+	// clientLis and metricsLis (which hold accepts during a handover,
+	// and may add TLS): what a handover passes on.
+	clientRaw, metricsRaw net.Listener
+	// acceptsOpen is closed when the listeners accept: at once, or
+	// once ready when they were handed over.
+	acceptsOpen       chan struct{}
 	clientHTTP        *http.Server
 	metricsLis        net.Listener // nil without MetricsAddr
 	metricsHTTP       *http.Server
@@ -76,6 +86,9 @@ type Server struct {
 	// now closes when StopNow is called: open requests are cut.
 	now     chan struct{}
 	nowOnce sync.Once
+	// firstReady opens the accepts, and tells a handover, the first time
+	// the proxy is ready.
+	firstReady sync.Once
 }
 
 // Start dials etcd, starts following it and serves until Stop. It returns
@@ -131,6 +144,18 @@ func Start(cfg Config) (*Server, error) {
 	}
 	s.store = revtree.New(cfg.BTreeDegree)
 	s.store.SetMaxHistoryBytes(cfg.MaxHistoryBytes)
+	var disk progress.DiskCopy
+	if cfg.PersistDir != "" {
+		s.persister = persist.New(persist.Config{
+			Dir:      cfg.PersistDir,
+			Store:    s.store,
+			Source:   persistSource{s},
+			Interval: cfg.PersistInterval,
+			Logger:   s.lg.Named("persist"),
+			Metrics:  persist.NewMetrics(s.registry),
+		})
+		disk = s.persister
+	}
 	s.follower = progress.New(progress.Config{
 		Client:                  s.own,
 		Store:                   s.store,
@@ -140,6 +165,7 @@ func Start(cfg Config) (*Server, error) {
 		CompactionProbeInterval: cfg.CompactionProbeInterval,
 		LoadRetainedHistory:     cfg.LoadRetainedHistory,
 		BeforeLoadPage:          cfg.BeforeLoadPage,
+		Disk:                    disk,
 		// The checker is built next; resumes happen only once Run began.
 		VerifyHistory: func(ctx context.Context, rev int64) (bool, error) { return s.checker.SameHistory(ctx, rev) },
 	})
@@ -171,13 +197,8 @@ func Start(cfg Config) (*Server, error) {
 		}, func() float64 { return boolGauge(s.mode() == m) }))
 	}
 
-	if s.clientLis, err = net.Listen("tcp", cfg.ListenAddr); err != nil {
-		return nil, fmt.Errorf("--listen-addr %s: %w", cfg.ListenAddr, err)
-	}
-	if cfg.MetricsAddr != "" {
-		if s.metricsLis, err = listenMetrics(cfg.MetricsAddr, s.tls); err != nil {
-			return nil, err
-		}
+	if err := s.listen(); err != nil {
+		return nil, err
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s.cancel = cancel
@@ -212,6 +233,9 @@ func Start(cfg Config) (*Server, error) {
 	s.run(func() { s.asProxyKeepAlives.run() })
 	s.run(func() { s.checker.Run(ctx) })
 	s.run(func() { s.follower.Run(ctx) })
+	if s.persister != nil {
+		s.run(func() { s.persister.Run(ctx) })
+	}
 	s.run(func() { s.followReadiness(ctx) })
 	ok = true
 	// grpc-proxy's words: tooling (etcd's e2e framework) waits for them.
@@ -223,6 +247,14 @@ func Start(cfg Config) (*Server, error) {
 		zap.Strings("advertise-client-urls", s.advertiseURLs()))
 	return s, nil
 }
+
+// persistSource is the follower as the persister sees it: the persister
+// is made first, because the follower starts by restoring from it.
+type persistSource struct{ s *Server }
+
+func (p persistSource) Ready() <-chan struct{} { return p.s.follower.Ready() }
+func (p persistSource) Serving() bool          { return p.s.follower.Serving() }
+func (p persistSource) ClusterID() uint64      { return p.s.follower.ClusterID() }
 
 func boolGauge(b bool) float64 {
 	if b {
@@ -404,6 +436,7 @@ func (s *Server) followReadiness(ctx context.Context) {
 		case err == nil && !serving:
 			s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 			s.lg.Info("ready")
+			s.firstReady.Do(s.firstReadiness)
 		case err != nil && serving:
 			s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
 			s.lg.Warn("not ready", zap.Error(err))

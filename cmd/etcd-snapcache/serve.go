@@ -23,7 +23,9 @@ import (
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	"go.etcd.io/etcd/server/v3/embed"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/handover"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
+	"github.com/etcd-snapcache/etcd-snapcache/persist"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
 )
@@ -107,7 +109,7 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "log-level", Category: catServing, Value: "info", Usage: "debug, info, warn or error"},
 			&cli.BoolFlag{Name: "experimental-enable-grpc-logging", Category: catServing, Usage: "log every gRPC request and response"},
 			&cli.StringFlag{Name: "data-dir", Category: catServing, Value: ".snapcache/etcd",
-				Usage: "with --endpoints: where --auto-tls keeps its certificates; without: the embedded etcd's data"},
+				Usage: "with --endpoints: where the cache keeps its copy on disk (--persist-cache) and --auto-tls its certificates; without: the embedded etcd's data"},
 
 			&cli.StringFlag{Name: "namespace", Category: catIgnored, Usage: "prefix every key with this string: not supported, refused when set"},
 			&cli.StringFlag{Name: "experimental-leasing-prefix", Category: catIgnored, Usage: "leasing metadata prefix: not supported, refused when set"},
@@ -135,6 +137,10 @@ func serveCommand() *cli.Command {
 			&cli.DurationFlag{Name: "compaction-probe-interval", Category: catCache, Value: d.CompactionProbeInterval,
 				Usage: "how often to check etcd's compaction revision (finds auto-compaction and compactions by other clients)"},
 			&cli.Int64Flag{Name: "load-page-size", Category: catCache, Value: d.LoadPageSize, Usage: "page size of the initial load"},
+			&cli.BoolFlag{Name: "persist-cache", Category: catCache, Value: true,
+				Usage: "keep a copy of the cache in <data-dir>/snapcache, written off the request path, so that a restart starts warm: it reads from etcd only what changed since, after proving the copy is etcd's history"},
+			&cli.DurationFlag{Name: "persist-interval", Category: catCache, Value: persist.DefaultInterval,
+				Usage: "how often the copy on disk is brought up to date (one fsynced bbolt transaction each)"},
 			&cli.BoolFlag{Name: "load-retained-history", Category: catCache,
 				Usage: "at start, replay every revision etcd retains, so historical reads are served from memory right after a restart"},
 		},
@@ -160,8 +166,16 @@ func serve(c *cli.Context) error {
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	defer signal.Stop(sigs)
+	// SIGHUP hands over to a new process of the proxy.
+	hups := make(chan os.Signal, 1)
+	signal.Notify(hups, syscall.SIGHUP)
+	defer signal.Stop(hups)
+	if err := takeOver(lg, &cfg); err != nil {
+		return err
+	}
 
-	if len(cfg.Endpoints) == 0 {
+	embedded := len(cfg.Endpoints) == 0
+	if embedded {
 		e, err := startEmbedded(lg, server.EmbeddedConfig{
 			Dir:       c.String("data-dir"),
 			ClientURL: c.String("embedded-client-url"),
@@ -176,13 +190,32 @@ func serve(c *cli.Context) error {
 		// The data directory is the embedded etcd's; auto-TLS keeps its
 		// certificates beside it.
 		cfg.DataDir = filepath.Dir(c.String("data-dir"))
+		if cfg.PersistDir != "" {
+			cfg.PersistDir = filepath.Join(cfg.DataDir, "snapcache")
+		}
 	}
 
 	srv, err := server.Start(cfg)
 	if err != nil {
 		return err
 	}
-	return serveUntilStopped(lg, c.Context.Done(), sigs, srv)
+	var child *handover.Child
+	hup := func() bool {
+		if embedded {
+			lg.Warn("SIGHUP: a handover needs --endpoints; the embedded etcd cannot be handed over")
+			return false
+		}
+		var ok bool
+		child, ok = handOver(lg, srv, sigs)
+		return ok
+	}
+	if err := serveUntilStopped(lg, c.Context.Done(), sigs, hups, hup, srv); err != nil {
+		return err
+	}
+	if child != nil {
+		return reapAsInit(lg, child)
+	}
+	return nil
 }
 
 // stoppable is the running server, as serveUntilStopped stops it.
@@ -192,19 +225,30 @@ type stoppable interface {
 	Err() <-chan error
 }
 
-// serveUntilStopped serves until a signal, the end of done, or a fatal
-// error. A signal stops the server gracefully (Stop: not ready first, then
-// open requests finish); a second signal during that stop cuts them at
-// once (StopNow).
-func serveUntilStopped(lg *zap.Logger, done <-chan struct{}, sigs <-chan os.Signal, srv stoppable) error {
-	select {
-	case err := <-srv.Err():
-		srv.Stop()
-		return err
-	case <-done:
-		lg.Info("shutting down")
-	case sig := <-sigs:
-		lg.Info("shutting down: not ready, ending streams, letting open requests finish; signal again to stop at once", zap.Stringer("signal", sig))
+// serveUntilStopped serves until a signal, the end of done, a fatal
+// error, or a handover: a signal on hups runs hup, which reports whether
+// a new process took over. A signal or a handover stops the server
+// gracefully (Stop: not ready first, then open requests finish); a second
+// signal during that stop cuts them at once (StopNow).
+func serveUntilStopped(lg *zap.Logger, done <-chan struct{}, sigs, hups <-chan os.Signal, hup func() bool, srv stoppable) error {
+wait:
+	for {
+		select {
+		case err := <-srv.Err():
+			srv.Stop()
+			return err
+		case <-done:
+			lg.Info("shutting down")
+			break wait
+		case sig := <-sigs:
+			lg.Info("shutting down: not ready, ending streams, letting open requests finish; signal again to stop at once", zap.Stringer("signal", sig))
+			break wait
+		case <-hups:
+			if hup != nil && hup() {
+				lg.Info("handed over: ending streams (clients resume them on the new process), letting open requests finish")
+				break wait
+			}
+		}
 	}
 	stopped := make(chan struct{})
 	go func() {
@@ -329,6 +373,10 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 	cfg.ConsistencyCheckInterval = c.Duration("consistency-check-interval")
 	cfg.CompactionProbeInterval = c.Duration("compaction-probe-interval")
 	cfg.LoadRetainedHistory = c.Bool("load-retained-history")
+	if c.Bool("persist-cache") {
+		cfg.PersistDir = filepath.Join(cfg.DataDir, "snapcache")
+	}
+	cfg.PersistInterval = c.Duration("persist-interval")
 	cfg.LoadPageSize = c.Int64("load-page-size")
 	cfg.MaxRequestBytes = c.Int("max-request-bytes")
 	cfg.WatchProgressNotifyInterval = progressOverride(c)

@@ -51,7 +51,7 @@ func TestSecondSignalStopsAtOnce(t *testing.T) {
 	srv := newFakeServer()
 	sigs := make(chan os.Signal, 2)
 	done := make(chan error, 1)
-	go func() { done <- serveUntilStopped(zap.NewNop(), nil, sigs, srv) }()
+	go func() { done <- serveUntilStopped(zap.NewNop(), nil, sigs, nil, nil, srv) }()
 	sigs <- syscall.SIGTERM
 	<-srv.stopping
 	select {
@@ -77,7 +77,7 @@ func TestOneSignalStopsGracefully(t *testing.T) {
 	sigs := make(chan os.Signal, 2)
 	sigs <- syscall.SIGINT
 	close(srv.release)
-	if err := serveUntilStopped(zap.NewNop(), nil, sigs, srv); err != nil {
+	if err := serveUntilStopped(zap.NewNop(), nil, sigs, nil, nil, srv); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -90,7 +90,7 @@ func TestOneSignalStopsGracefully(t *testing.T) {
 	close(srv.release)
 	boom := errors.New("serving failed")
 	srv.errc <- boom
-	if err := serveUntilStopped(zap.NewNop(), nil, make(chan os.Signal), srv); !errors.Is(err, boom) {
+	if err := serveUntilStopped(zap.NewNop(), nil, make(chan os.Signal), nil, nil, srv); !errors.Is(err, boom) {
 		t.Fatalf("after a fatal error: %v", err)
 	}
 	if _, ok := <-srv.stopping; ok {
