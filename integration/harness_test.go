@@ -39,6 +39,9 @@ type clusterOptions struct {
 	// progressNotifyInterval sets the proxy's periodic watch progress
 	// interval (etcd's is set with v3rpc.SetProgressReportInterval).
 	progressNotifyInterval time.Duration
+	// peerURL is etcd's peer URL (default: port 0, the same for every
+	// test's etcd, so that all of them have one cluster id).
+	peerURL string
 	// tiered puts a second proxy between etcd and the proxy under test: the
 	// proxy's --endpoints is the inner proxy, as in a tiered deployment.
 	tiered bool
@@ -66,6 +69,7 @@ func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 		AutoCompactionMode:      opts.autoCompactionMode,
 		AutoCompactionRetention: opts.autoCompactionRetention,
 		MaxRequestBytes:         uint(opts.maxRequestBytes),
+		PeerURL:                 opts.peerURL,
 	})
 	c := &cluster{etcd: e, etcdAddr: e.Clients[0].Addr().String()}
 

@@ -31,15 +31,24 @@ type timelineEnv struct {
 	etcd               *embed.Etcd
 	stopEtcd           func() // stops etcd once
 	proxy              *server.Server
+	proxyCfg           server.Config
 }
 
-func newTimelineEnv(t *testing.T) *timelineEnv {
+func newTimelineEnv(t *testing.T) *timelineEnv { return newTimelineEnvWith(t, nil) }
+
+// newTimelineEnvWith is newTimelineEnv with edit applied to the proxy's
+// configuration.
+func newTimelineEnvWith(t *testing.T, edit func(*server.Config)) *timelineEnv {
 	env := &timelineEnv{t: t, clientURL: "http://" + testsupport.FreeAddr(t), peerURL: "http://" + testsupport.FreeAddr(t)}
 	env.start(t.TempDir())
-	env.proxy = servertest.StartProxy(t, servertest.Config(env.clientURL, func(cfg *server.Config) {
+	env.proxyCfg = servertest.Config(env.clientURL, func(cfg *server.Config) {
 		cfg.CompactionProbeInterval = 100 * time.Millisecond
 		cfg.Logger = zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))
-	}))
+		if edit != nil {
+			edit(cfg)
+		}
+	})
+	env.proxy = servertest.StartProxy(t, env.proxyCfg)
 	return env
 }
 
