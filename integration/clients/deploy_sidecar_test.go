@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
@@ -60,6 +61,7 @@ type container struct {
 	VolumeMounts []struct {
 		Name      string `yaml:"name"`
 		MountPath string `yaml:"mountPath"`
+		ReadOnly  bool   `yaml:"readOnly"`
 	} `yaml:"volumeMounts"`
 }
 
@@ -216,6 +218,18 @@ func TestDeploySidecar(t *testing.T) {
 			}
 		}
 	}
+	// The cache's copy on disk: --data-dir on a writable mount, so that a
+	// restart starts warm (the root filesystem is read-only).
+	dataDir, _ := flagValue(pxArgs, "data-dir")
+	writable := false
+	for _, m := range proxyC.VolumeMounts {
+		if !m.ReadOnly && (dataDir == m.MountPath || strings.HasPrefix(dataDir, strings.TrimSuffix(m.MountPath, "/")+"/")) {
+			writable = true
+		}
+	}
+	if !writable {
+		t.Errorf("the proxy's --data-dir=%q is not on a writable volumeMount: its copy on disk cannot be written", dataDir)
+	}
 	if t.Failed() {
 		t.FailNow()
 	}
@@ -262,6 +276,10 @@ func TestDeploySidecar(t *testing.T) {
 	for _, f := range fileFlags[proxyC] {
 		runArgs = setFlag(runArgs, f, moved(mustFlag(t, pxArgs, f)))
 	}
+	if err := os.MkdirAll(moved(dataDir), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	runArgs = setFlag(runArgs, "data-dir", moved(dataDir))
 	t.Logf("proxy: %s serve %s", bins.px, strings.Join(runArgs, " "))
 	pp := startProcess(t, "proxy", bins.px, append([]string{"serve"}, runArgs...))
 	waitUntil(t, 30*time.Second, "the proxy's startup probe (/readyz)", func() (bool, error) {
