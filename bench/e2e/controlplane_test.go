@@ -45,8 +45,8 @@ func kubeloadBinary(tb testing.TB) string {
 }
 
 // cpPhases are the phases of a side's pass, in order.
-// restart-proxy is the proxy side's alone.
-var cpPhases = []string{"start-storm", "steady", "restart-all", "restart-one", "restart-proxy"}
+// restart-proxy and handover-proxy are the proxy side's alone.
+var cpPhases = []string{"start-storm", "steady", "restart-all", "restart-one", "restart-proxy", "handover-proxy"}
 
 // BenchmarkControlPlane: a production control plane, -snapcache.e2e.cp-apiservers
 // unmodified kube-apiservers with their watch caches on (the default), in
@@ -62,8 +62,11 @@ var cpPhases = []string{"start-storm", "steady", "restart-all", "restart-one", "
 // the others serve (restart-one), each of these until every kube-apiserver
 // is ready and every informer has caught up, then -snapcache.e2e.cp-settle.
 // The proxy side then restarts the proxy in front of the first
-// kube-apiserver (restart-proxy): it loads the keyspace from etcd again,
-// and its kube-apiservers reconnect and resume their watches.
+// kube-apiserver (restart-proxy: SIGTERM, then a new process on the same
+// port, which starts warm from its copy on disk), and its kube-apiservers
+// reconnect and resume their watches; then hands it over to a new process
+// (handover-proxy: SIGHUP, as the systemd unit's reload does), which
+// refuses no connection.
 // Per phase and side: etcd's CPU per second, resident memory and peak,
 // watchers and requests per second by method; the proxy's CPU and memory;
 // kube-apiserver's request latency per verb, its 5xx and 429 answers and
@@ -250,12 +253,14 @@ func (cp *controlPlane) populate(b *testing.B) {
 	cp.startProxies(b, head)
 }
 
-// proxyArgs are the flags every proxy of the control plane runs with.
+// proxyArgs are the flags every proxy of the control plane runs with: at
+// log level info, whose lines say which process a handover went to.
 func (cp *controlPlane) proxyArgs() []string {
+	args := []string{"--log-level=info"}
 	if *cmpPprof {
-		return []string{"--enable-pprof"}
+		args = append(args, "--enable-pprof")
 	}
-	return nil
+	return args
 }
 
 // startProxies starts the proxies of -snapcache.e2e.cp-topology, each once
@@ -397,6 +402,7 @@ func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
 	out = append(out, cp.restart(b, side, "restart-one", cp.kubes[:1], load, round))
 	if side == "proxy" {
 		out = append(out, cp.restartProxy(b, load))
+		out = append(out, cp.handoverProxy(b, load))
 	}
 
 	load.stop(b)
@@ -436,7 +442,8 @@ func (cp *controlPlane) restart(b *testing.B, side, name string, kubes []*cpKube
 }
 
 // restartProxy is the restart-proxy phase: the proxy in front of the first
-// kube-apiserver stops and starts again under load, cold. The phase goes
+// kube-apiserver stops and starts again under load, warm from its copy on
+// disk. The phase goes
 // on until it is ready, every kube-apiserver is ready, every informer has
 // caught up (a barrier) and -snapcache.e2e.cp-settle has passed.
 func (cp *controlPlane) restartProxy(b *testing.B, load *kubeload) cpPhase {
@@ -449,6 +456,23 @@ func (cp *controlPlane) restartProxy(b *testing.B, load *kubeload) cpPhase {
 	ph.cached0 -= cached
 	ph.forwarded0 -= forwarded
 	p.restart(b)
+	cp.sampleProxies()
+	cp.recover(b, ph, load)
+	return cp.end(b, ph, load)
+}
+
+// handoverProxy is the handover-proxy phase: the proxy in front of the
+// first kube-apiserver hands over to a new process of it (SIGHUP) under
+// load. The old process's CPU after the phase began is not counted: it
+// has exited when the phase ends. The phase goes on as restartProxy's.
+func (cp *controlPlane) handoverProxy(b *testing.B, load *kubeload) cpPhase {
+	ph := cp.begin(b, "proxy", "handover-proxy")
+	p := cp.front[0]
+	ph.proxyCPU0 -= processCPU(b, p.pid())
+	cached, forwarded := p.ranges(b)
+	ph.cached0 -= cached
+	ph.forwarded0 -= forwarded
+	p.handover(b)
 	cp.sampleProxies()
 	cp.recover(b, ph, load)
 	return cp.end(b, ph, load)

@@ -158,6 +158,61 @@ func (p *proxyProcess) restart(tb testing.TB) time.Duration {
 	return time.Since(start)
 }
 
+// handover hands the proxy over to a new process of it (SIGHUP, as the
+// systemd unit's reload does): the new one takes the listening sockets and
+// the copy on disk, and the old one drains once the new one is ready. It
+// waits until the old one has exited and the new one is ready, and
+// returns how long that took. The proxy must log at level info, where it
+// names the new process.
+func (p *proxyProcess) handover(tb testing.TB) time.Duration {
+	tb.Helper()
+	start := time.Now()
+	old := p.child
+	if err := old.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		tb.Fatal(err)
+	}
+	// The old process names the new one in its log; it may have exited
+	// by the time it is read.
+	var pid int
+	testsupport.Poll(tb, startTimeout, 10*time.Millisecond, "the process taking over", func() (bool, error) {
+		b, _ := os.ReadFile(old.logPath)
+		pid = testsupport.HandedOverTo(string(b))
+		return pid != 0, nil
+	})
+	select {
+	case <-old.done:
+	case <-time.After(startTimeout):
+		tb.Fatalf("the old process did not exit after handing over: %s", tailOf(old.logPath))
+	}
+	p.child = adopt(tb, old, pid)
+	p.gen++
+	p.waitReady(tb)
+	return time.Since(start)
+}
+
+// adopt is the process pid, which from started (a handover), as a child of
+// the benchmark: from's name, log and command line; stopped when the
+// benchmark ends. It is not the benchmark's child: its end is polled.
+func adopt(tb testing.TB, from *child, pid int) *child {
+	tb.Helper()
+	proc, err := os.FindProcess(pid)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	c := &child{name: from.name, logPath: from.logPath, done: make(chan struct{}),
+		cmd: &exec.Cmd{Path: from.cmd.Path, Args: from.cmd.Args, Process: proc}}
+	go func() {
+		defer close(c.done)
+		t := time.NewTicker(20 * time.Millisecond)
+		defer t.Stop()
+		for testsupport.ProcessRuns(pid) {
+			<-t.C
+		}
+	}()
+	tb.Cleanup(func() { c.stop(tb) })
+	return c
+}
+
 // metrics scrapes the proxy's own metrics (/proxy/metrics: its /metrics
 // relays etcd's, as grpc-proxy's does).
 func (p *proxyProcess) metrics(tb testing.TB) metricSet {

@@ -4,13 +4,14 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"os"
 	"os/exec"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
 // TestWarmStartAfterKill: the proxy, with its copy on disk written every
@@ -235,7 +236,7 @@ func TestHandoverKeepsClients(t *testing.T) {
 	// by the time it is read.
 	var pid int
 	waitUntil(t, 30*time.Second, "the process taking over", func() (bool, error) {
-		pid = handedOverTo(px.log())
+		pid = testsupport.HandedOverTo(px.log())
 		return pid != 0, nil
 	})
 	t.Cleanup(func() { stopPid(t, pid) })
@@ -277,23 +278,6 @@ func TestHandoverKeepsClients(t *testing.T) {
 	}
 }
 
-// handedOverTo returns the pid of the process a proxy's log says it
-// handed over to, 0 if it says none.
-func handedOverTo(log string) int {
-	for l := range strings.SplitSeq(log, "\n") {
-		if !strings.Contains(l, `"msg":"handing over to a new process`) {
-			continue
-		}
-		_, rest, ok := strings.Cut(l, `"pid":`)
-		if !ok {
-			continue
-		}
-		n, _ := strconv.Atoi(strings.TrimRight(rest, "}\r "))
-		return n
-	}
-	return 0
-}
-
 // stopPid stops a process the test did not start (SIGTERM, then SIGKILL)
 // and waits until it has exited.
 func stopPid(t testing.TB, pid int) {
@@ -305,21 +289,11 @@ func stopPid(t testing.TB, pid int) {
 	defer kill.Stop()
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
-	for processRuns(pid) {
+	for testsupport.ProcessRuns(pid) {
 		select {
 		case <-kill.C:
 			_ = syscall.Kill(pid, syscall.SIGKILL)
 		case <-tick.C:
 		}
 	}
-}
-
-// processRuns reports whether pid is a process that has not exited.
-func processRuns(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	i := bytes.LastIndexByte(b, ')')
-	return i >= 0 && i+2 < len(b) && b[i+2] != 'Z' && b[i+2] != 'X'
 }
