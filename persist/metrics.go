@@ -46,14 +46,7 @@ func (m *Metrics) bind(p *Persister) {
 	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "etcd_snapcache_disk_revision",
 		Help: "The revision the cache's copy on disk is complete up to; 0 while there is none.",
-	}, func() float64 {
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		if p.db == nil {
-			return 0
-		}
-		return float64(p.disk.rev)
-	}), prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+	}, func() float64 { return float64(p.diskRev.Load()) }), prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "etcd_snapcache_disk_bytes",
 		Help: "Size of the file of the cache's copy on disk.",
 	}, func() float64 {

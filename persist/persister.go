@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -105,6 +106,11 @@ type Persister struct {
 	// released: a new process owns the copy (Release); nothing is
 	// written until Resume.
 	released bool
+
+	// diskRev is disk.rev, and failed is failing, for the metrics: read
+	// without mu, which a whole copy holds for seconds.
+	diskRev atomic.Int64
+	failed  atomic.Pointer[error]
 }
 
 // New returns a Persister of the copy in cfg.Dir. It touches nothing on
@@ -229,7 +235,9 @@ func (p *Persister) flush(ctx context.Context) error {
 	if p.failing != nil {
 		p.lg.Info("the cache's copy on disk is written again", zap.String("path", p.path), zap.Int64("revision", p.disk.rev))
 		p.failing = nil
+		p.failed.Store(nil)
 	}
+	p.diskRev.Store(p.disk.rev)
 	return nil
 }
 
@@ -244,6 +252,7 @@ func (p *Persister) failedLocked(err error) {
 			zap.String("path", p.path), zap.Error(err))
 	}
 	p.failing = err
+	p.failed.Store(&err)
 }
 
 // Release brings the copy up to date a last time and closes it, for a new
@@ -273,9 +282,10 @@ func (p *Persister) Resume() {
 
 // Failing is why the last write failed, nil if it did not.
 func (p *Persister) Failing() error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.failing
+	if err := p.failed.Load(); err != nil {
+		return *err
+	}
+	return nil
 }
 
 // openDB opens bbolt's file at path, waiting at most lockTimeout for

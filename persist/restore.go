@@ -78,6 +78,7 @@ func (p *Persister) Refused(check string, err error) {
 func (p *Persister) discardLocked() {
 	p.closeDBLocked()
 	p.gen, p.disk = 0, state{}
+	p.diskRev.Store(0)
 	if err := os.Remove(p.path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		p.lg.Warn("cannot remove the cache's copy on disk", zap.String("path", p.path), zap.Error(err))
 	}
@@ -119,6 +120,7 @@ func (p *Persister) restoreLocked(ctx context.Context) (state, error) {
 		return state{}, err
 	}
 	p.db, p.disk, p.gen = db, s, p.cfg.Store.Generation()
+	p.diskRev.Store(s.rev)
 	return s, nil
 }
 
