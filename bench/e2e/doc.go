@@ -191,6 +191,29 @@
 //     sent (etcd_network_client_grpc_sent_bytes_total) and the CPU it
 //     spent meanwhile, and the proxy's memory once ready; b.N restarts,
 //     the medians reported.
+//   - BenchmarkPersistOverhead: what the copy on disk (--persist-cache)
+//     costs: one etcd, two proxies following it, "on" (the default flags)
+//     and "off" (--persist-cache=false); -snapcache.e2e.persist-rounds (3)
+//     rounds of each workload, medians and the ratio on/off. apply:
+//     -snapcache.e2e.persist-revisions (20,000) puts of 1 KiB by 16 writers,
+//     followed by both at once: each one's CPU per 1000 revisions (until
+//     both caches and on's copy hold etcd's head), its catch-up lag from
+//     the writer's end (until a put right after the writer's last reaches
+//     the proxy's watcher of it: polling /proxy/metrics, a few ms of the
+//     proxy's CPU a scrape, would add to what is measured), on's lag to
+//     its copy (etcd_snapcache_disk_revision, polled every 100ms), and
+//     RSS. reads: -snapcache.e2e.persist-reads (200,000) serializable
+//     single-key Gets from -snapcache.e2e.persist-read-clients (32)
+//     goroutines through one proxy at a time while etcd is written at
+//     -snapcache.e2e.persist-write-rate (500) revisions/s: ops/s and the
+//     proxy's CPU per 10k ops. watch: -snapcache.e2e.persist-watchers (100)
+//     watchers of the prefix on one proxy at a time, then
+//     -snapcache.e2e.persist-watch-puts (5,000) puts: the time until every
+//     watcher has every event, and events/s. Reads and watch alternate
+//     on,off, off,on, .... Then on's writes of its copy during the run
+//     (etcd_snapcache_disk_writes_total, the mean of
+//     etcd_snapcache_disk_write_seconds); etcd_snapcache_disk_write_failing
+//     must be 0.
 //
 // With -snapcache.e2e.auth, etcd has auth enabled (a root user, and a user
 // "bench" whose role may read and write /registry/), the proxy runs with
@@ -218,7 +241,11 @@
 // .cp-nodes, .cp-informers, .cp-steady, .cp-settle, .cp-rounds, .cp-rate,
 // .cp-watchlist, .cp-storm-load, .cp-topology, .cp-timeout (and .pprof); BenchmarkHistoryMemory's
 // -snapcache.e2e.keys, .revisions, .value, .budget, .writers; BenchmarkRestart's
-// -snapcache.e2e.restart-keys, .restart-value. $ETCD_BIN
+// -snapcache.e2e.restart-keys, .restart-value; BenchmarkPersistOverhead's
+// -snapcache.e2e.persist-rounds, .persist-keys, .persist-revisions,
+// .persist-reads, .persist-read-clients, .persist-write-rate,
+// .persist-watchers, .persist-watch-puts (and .conns, .watch-timeout,
+// .auth, .pprof). $ETCD_BIN
 // overrides the etcd binary, $SNAPCACHE_BIN the proxy's,
 // $KUBE_APISERVER_BIN kube-apiserver's, $KUBELOAD_BIN the load
 // generator's.
