@@ -118,6 +118,7 @@ type loadReport struct {
 	Lists       int64               `json:"lists"`
 	Watches     int64               `json:"watches"`
 	WatchErrors int64               `json:"watch_errors"`
+	OutOfOrder  int64               `json:"out_of_order"`
 	Errors      []string            `json:"error_samples"`
 }
 

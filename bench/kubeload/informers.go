@@ -124,7 +124,10 @@ func startInformers(ctx context.Context, cl *cluster, st *stats, perServer int) 
 							in.seen(obj, nil, st)
 						}
 					},
-					UpdateFunc: func(old, obj any) { in.seen(obj, old, st) },
+					UpdateFunc: func(old, obj any) {
+						in.ordered(old, obj, st)
+						in.seen(obj, old, st)
+					},
 				}); err != nil {
 					return nil, err
 				}
@@ -195,6 +198,24 @@ func slimMeta(m *metav1.ObjectMeta) {
 		}
 	}
 	*m = metav1.ObjectMeta{Name: m.Name, Namespace: m.Namespace, ResourceVersion: m.ResourceVersion, Annotations: ann}
+}
+
+// ordered counts an update whose resourceVersion is not newer than the
+// object's before it: with no resync (period 0), every update is a watch
+// event, and etcd's revisions only grow, so it was delivered twice or out
+// of order.
+func (in *informer) ordered(old, obj any, st *stats) {
+	om, err1 := meta.Accessor(old)
+	nm, err2 := meta.Accessor(obj)
+	if err1 != nil || err2 != nil {
+		return
+	}
+	o, err1 := strconv.ParseUint(om.GetResourceVersion(), 10, 64)
+	n, err2 := strconv.ParseUint(nm.GetResourceVersion(), 10, 64)
+	if err1 == nil && err2 == nil && n <= o {
+		st.outOfOrder.Add(1)
+		st.sample(fmt.Sprintf("informer %s: %s/%s updated from resourceVersion %d to %d", in.resource, nm.GetNamespace(), nm.GetName(), o, n))
+	}
 }
 
 // seen handles obj (old: its previous state, if it is an update): a stamp

@@ -75,6 +75,10 @@ type stats struct {
 	lists       atomic.Int64 // informers' LISTs (the initial ones and relists)
 	watches     atomic.Int64 // informers' WATCHes opened (resumes included)
 	watchErrors atomic.Int64 // informers' list and watch errors
+	// outOfOrder counts updates an informer received at a resourceVersion
+	// no newer than the object's it had: an event delivered twice, or out
+	// of order.
+	outOfOrder atomic.Int64
 }
 
 func newStats() *stats {
@@ -123,6 +127,7 @@ type report struct {
 	Lists       int64           `json:"lists"`
 	Watches     int64           `json:"watches"`
 	WatchErrors int64           `json:"watch_errors"`
+	OutOfOrder  int64           `json:"out_of_order"`
 	Errors      []string        `json:"error_samples,omitempty"`
 }
 
@@ -148,5 +153,6 @@ func (s *stats) take(secs float64) report {
 	r.Lists = s.lists.Swap(0)
 	r.Watches = s.watches.Swap(0)
 	r.WatchErrors = s.watchErrors.Swap(0)
+	r.OutOfOrder = s.outOfOrder.Swap(0)
 	return r
 }
