@@ -66,6 +66,9 @@ type Checker struct {
 	// check waits for the reload that follows.
 	failedAt atomic.Int64
 	failed   chan struct{} // buffered 1: wakes Run after a failed check made by Check's other callers
+	// pageSize is the number of the cache's keys in each chunk read from
+	// etcd (viewEntries); tests make it small.
+	pageSize int
 }
 
 // New returns a Checker; call Run to check periodically.
@@ -73,7 +76,7 @@ func New(cfg Config) *Checker {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
-	c := &Checker{cfg: cfg, lg: cfg.Logger, failed: make(chan struct{}, 1)}
+	c := &Checker{cfg: cfg, lg: cfg.Logger, failed: make(chan struct{}, 1), pageSize: pageSize}
 	c.checks = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "etcd_snapcache_consistency_checks_total",
 		Help: "Checks of the cache against etcd, by result (success, failure, error).",
@@ -153,12 +156,67 @@ func (c *Checker) SameHistory(ctx context.Context, rev int64) (bool, error) {
 	if err != nil {
 		return false, fmt.Errorf("the cache's revision %d: %w", rev, err)
 	}
-	res, err := Compare(rev, cacheEntries(view), RangeEntries(ctx, c.cfg.Upstream, rev))
+	res, err := Compare(rev, cacheEntries(view), viewEntries(ctx, c.cfg.Upstream, view, rev, c.pageSize))
 	if err != nil {
 		return false, err
 	}
 	if !res.Match() {
 		c.lg.Warn("etcd's history differs from the cache's", zap.Int64("revision", rev), zap.String("first-difference", res.FirstDiff))
+	}
+	return res.Match(), nil
+}
+
+// SameHistoryAhead is SameHistory for a store being restored from a copy
+// on disk: it reads etcd's keys at rev, in chunks cut at bounds (keys of
+// the copy), while restored runs, and compares them with the store's
+// once it has returned. It returns restored's error, if any.
+func (c *Checker) SameHistoryAhead(ctx context.Context, rev int64, bounds [][]byte, restored func() error) (bool, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	type fetched struct {
+		entries []Entry
+		err     error
+	}
+	got := make(chan fetched, 1)
+	go func() {
+		var f fetched
+		for e, err := range boundsEntries(ctx, c.cfg.Upstream, bounds, rev, c.pageSize) {
+			if err != nil {
+				f.err = err
+				break
+			}
+			f.entries = append(f.entries, e)
+		}
+		got <- f
+	}()
+	if err := restored(); err != nil {
+		cancel()
+		<-got
+		return false, err
+	}
+	view, err := c.cfg.Store.View(rev)
+	if err != nil {
+		cancel()
+		<-got
+		return false, fmt.Errorf("the cache's revision %d: %w", rev, err)
+	}
+	f := <-got
+	etcd := func(yield func(Entry, error) bool) {
+		for _, e := range f.entries {
+			if !yield(e, nil) {
+				return
+			}
+		}
+		if f.err != nil {
+			yield(Entry{}, f.err)
+		}
+	}
+	res, err := Compare(rev, cacheEntries(view), etcd)
+	if err != nil {
+		return false, err
+	}
+	if !res.Match() {
+		c.lg.Warn("etcd's history differs from the copy's on disk", zap.Int64("revision", rev), zap.String("first-difference", res.FirstDiff))
 	}
 	return res.Match(), nil
 }
@@ -173,7 +231,7 @@ func (c *Checker) Check(ctx context.Context) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	res, err := Compare(view.Rev, cacheEntries(view), RangeEntries(ctx, c.cfg.Upstream, view.Rev))
+	res, err := Compare(view.Rev, cacheEntries(view), viewEntries(ctx, c.cfg.Upstream, view, view.Rev, c.pageSize))
 	if etcderr.Is(err, rpctypes.ErrFutureRev) {
 		// A linearizable read found etcd's head below the cache's
 		// revision: etcd's history is not the cache's.

@@ -15,9 +15,14 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
-// pageSize is the limit of each keys-only page read from etcd, as
+// pageSize is the number of keys of the cache in each chunk etcd is asked
+// for (viewEntries), and the limit of each page RangeEntries reads, as
 // kube-apiserver's consistency checker lists.
 const pageSize = 10000
+
+// prefetch is how many of etcd's answers viewEntries holds read ahead of
+// the comparison, besides the one being read.
+const prefetch = 1
 
 // Entry is one key and its mod_revision.
 type Entry struct {
@@ -49,13 +54,24 @@ func cacheEntries(v revtree.View) iter.Seq2[Entry, error] {
 
 // RangeEntries walks every key at rev through an etcd KV API (etcd's, or the
 // proxy's) with keys-only Ranges of pageSize keys, in key order.
+//
+// Each page is a Range from the page's first key to the end of the
+// keyspace, and etcd counts every key of that range to answer it, so the
+// walk costs etcd time quadratic in the keyspace (1M keys: tens of seconds
+// of etcd's CPU). With a view of the cache at hand, Checker reads etcd in
+// chunks bounded by the cache's keys instead (viewEntries).
 func RangeEntries(ctx context.Context, kv pb.KVClient, rev int64) iter.Seq2[Entry, error] {
+	return rangeEntries(ctx, kv, rev, pageSize)
+}
+
+// rangeEntries is RangeEntries with pages of page keys.
+func rangeEntries(ctx context.Context, kv pb.KVClient, rev int64, page int) iter.Seq2[Entry, error] {
 	return func(yield func(Entry, error) bool) {
 		key := []byte{0}
 		for {
-			resp, err := kv.Range(ctx, &pb.RangeRequest{Key: key, RangeEnd: []byte{0}, Revision: rev, Limit: pageSize, KeysOnly: true})
+			resp, err := kv.Range(ctx, &pb.RangeRequest{Key: key, RangeEnd: []byte{0}, Revision: rev, Limit: int64(page), KeysOnly: true})
 			if err != nil {
-				yield(Entry{}, fmt.Errorf("reading keys at revision %d: %w", rev, err))
+				yield(Entry{}, readError(rev, err))
 				return
 			}
 			for _, kv := range resp.Kvs {
@@ -69,6 +85,126 @@ func RangeEntries(ctx context.Context, kv pb.KVClient, rev int64) iter.Seq2[Entr
 			key = append(bytes.Clone(resp.Kvs[len(resp.Kvs)-1].Key), 0)
 		}
 	}
+}
+
+func readError(rev int64, err error) error {
+	return fmt.Errorf("reading keys at revision %d: %w", rev, err)
+}
+
+// viewEntries walks every key at rev through an etcd KV API, in key order,
+// as RangeEntries does (the same entries; etcd's errors wrapped alike, and
+// the end of ctx reported as an error, never as the end of the keys), with
+// keys-only Ranges over chunks of the keyspace bounded by v's keys: every
+// page-th key of v begins a chunk, the first chunk begins at "\x00" and
+// the last ends at the end of the keyspace. etcd counts only the keys of a
+// chunk to answer for it, so where etcd has v's keys the walk costs etcd
+// time linear in the keyspace. A chunk where etcd has more keys than v is
+// read in pages of at most 2*page keys, each counting the rest of that
+// chunk, so no answer is larger than that however much etcd and v differ.
+//
+// A goroutine reads the chunks ahead of the caller (prefetch answers and
+// the one being read); the walk stops it and waits for it before it
+// returns, however it ends.
+func viewEntries(ctx context.Context, kv pb.KVClient, v revtree.View, rev int64, page int) iter.Seq2[Entry, error] {
+	if page < 1 {
+		page = pageSize
+	}
+	// Every page-th key of v, from the page-th: the first chunk begins at
+	// "\x00".
+	bounds := func(yield func([]byte) bool) {
+		n := 0
+		v.Ascend([]byte{0}, nil, func(kv *mvccpb.KeyValue) bool {
+			ok := n == 0 || n%page != 0 || yield(bytes.Clone(kv.Key))
+			n++
+			return ok
+		})
+	}
+	return chunkEntries(ctx, kv, bounds, rev, page)
+}
+
+// boundsEntries is viewEntries with the chunks cut at bounds, keys in
+// increasing order (of a copy of the cache: any keys will do, the chunks
+// only bound what etcd counts).
+func boundsEntries(ctx context.Context, kv pb.KVClient, bounds [][]byte, rev int64, page int) iter.Seq2[Entry, error] {
+	if page < 1 {
+		page = pageSize
+	}
+	return chunkEntries(ctx, kv, func(yield func([]byte) bool) {
+		for _, b := range bounds {
+			if len(b) > 0 && string(b) > "\x00" && !yield(b) {
+				return
+			}
+		}
+	}, rev, page)
+}
+
+// chunkEntries walks etcd's keys at rev in chunks beginning at "\x00" and
+// at each key of bounds, in order, reading ahead on a goroutine it stops
+// and waits for however the walk ends.
+func chunkEntries(ctx context.Context, kv pb.KVClient, bounds iter.Seq[[]byte], rev int64, page int) iter.Seq2[Entry, error] {
+	return func(yield func(Entry, error) bool) {
+		ctx, cancel := context.WithCancel(ctx)
+		pages := make(chan []Entry, prefetch)
+		var failed error // the reader's error; read after pages is closed
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			defer close(pages)
+			failed = readChunks(ctx, kv, bounds, rev, page, pages)
+		}()
+		defer func() {
+			cancel()
+			<-done
+		}()
+		for es := range pages {
+			for _, e := range es {
+				if !yield(e, nil) {
+					return
+				}
+			}
+		}
+		if failed != nil {
+			yield(Entry{}, failed)
+		}
+	}
+}
+
+// readChunks reads etcd's keys at rev, chunk by chunk (chunkEntries), and
+// sends each answer's entries to pages. It returns the error that ended
+// the reading early, if any: etcd's, or ctx's end.
+func readChunks(ctx context.Context, kv pb.KVClient, bounds iter.Seq[[]byte], rev int64, page int, pages chan<- []Entry) error {
+	// read reads the chunk [key, end) of the keyspace.
+	read := func(key, end []byte) error {
+		for {
+			resp, err := kv.Range(ctx, &pb.RangeRequest{Key: key, RangeEnd: end, Revision: rev, Limit: 2 * int64(page), KeysOnly: true})
+			if err != nil {
+				return readError(rev, err)
+			}
+			if len(resp.Kvs) > 0 {
+				es := make([]Entry, len(resp.Kvs))
+				for i, kv := range resp.Kvs {
+					es[i] = Entry{Key: kv.Key, ModRevision: kv.ModRevision}
+				}
+				select {
+				case pages <- es:
+				case <-ctx.Done():
+					return readError(rev, ctx.Err())
+				}
+			}
+			if !resp.More || len(resp.Kvs) == 0 {
+				return nil
+			}
+			key = append(bytes.Clone(resp.Kvs[len(resp.Kvs)-1].Key), 0)
+		}
+	}
+	start := []byte{0}
+	for end := range bounds {
+		if err := read(start, end); err != nil {
+			return err
+		}
+		start = end
+	}
+	return read(start, []byte{0})
 }
 
 // Compare walks both sides in key order at rev, hashing each and noting the

@@ -1,12 +1,16 @@
 package hashcheck
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"iter"
+	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
@@ -83,20 +87,70 @@ func (f *fakeFollower) Reload(reason string) {
 	f.reloads = append(f.reloads, reason)
 }
 
-// fakeEtcd answers keys-only Ranges from a fixed keyspace.
+// fakeEtcd answers keys-only Ranges at any revision from a fixed keyspace
+// in key order, as etcd answers them: the keys of [Key, RangeEnd) (a
+// RangeEnd of "\x00" means no upper bound, an empty one the key alone), at
+// most Limit of them, with the Count of the whole range and More if Limit
+// left some out. It counts the keys it walks to count a range, as etcd's
+// index does.
 type fakeEtcd struct {
 	pb.KVClient
 	kvs []*mvccpb.KeyValue
+	// block, if set, is received from before each Range is answered (or
+	// the Range fails with its context, lingering first).
+	block   chan struct{}
+	linger  time.Duration
+	pending atomic.Int64 // Ranges not yet returned
+	// failAt, if above 0, fails the failAt-th Range (from 1).
+	failAt int64
+	ranges atomic.Int64 // Ranges asked
+	walked atomic.Int64 // keys counted to answer them
 }
 
-func (e *fakeEtcd) Range(_ context.Context, r *pb.RangeRequest, _ ...grpc.CallOption) (*pb.RangeResponse, error) {
-	var out []*mvccpb.KeyValue
-	for _, kv := range e.kvs {
-		if string(kv.Key) >= string(r.Key) {
-			out = append(out, kv)
+var errFake = errors.New("fake etcd failure")
+
+func (e *fakeEtcd) Range(ctx context.Context, r *pb.RangeRequest, _ ...grpc.CallOption) (*pb.RangeResponse, error) {
+	n := e.ranges.Add(1)
+	e.pending.Add(1)
+	defer e.pending.Add(-1)
+	if e.block != nil {
+		select {
+		case <-e.block:
+		case <-ctx.Done():
+			time.Sleep(e.linger)
+			return nil, ctx.Err()
 		}
 	}
-	return &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: r.Revision}, Kvs: out}, nil
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if n == e.failAt {
+		return nil, errFake
+	}
+	if !r.KeysOnly {
+		return nil, errors.New("fake etcd answers keys-only Ranges alone")
+	}
+	in := func(k []byte) bool {
+		switch {
+		case len(r.RangeEnd) == 0:
+			return bytes.Equal(k, r.Key)
+		case bytes.Equal(r.RangeEnd, []byte{0}):
+			return true
+		}
+		return bytes.Compare(k, r.RangeEnd) < 0
+	}
+	resp := &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: r.Revision}}
+	i, _ := slices.BinarySearchFunc(e.kvs, r.Key, func(kv *mvccpb.KeyValue, k []byte) int { return bytes.Compare(kv.Key, k) })
+	for ; i < len(e.kvs) && in(e.kvs[i].Key); i++ {
+		resp.Count++
+		if r.Limit <= 0 || int64(len(resp.Kvs)) < r.Limit {
+			kv := e.kvs[i]
+			resp.Kvs = append(resp.Kvs, &mvccpb.KeyValue{Key: kv.Key, CreateRevision: kv.CreateRevision, ModRevision: kv.ModRevision, Version: kv.Version, Lease: kv.Lease})
+		}
+	}
+	e.walked.Add(resp.Count)
+	resp.More = resp.Count > int64(len(resp.Kvs))
+	return resp, nil
 }
 
 // TestCheckerFallsBackAndRecovers: a mismatch puts the checker in fallback
