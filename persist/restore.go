@@ -1,6 +1,7 @@
 package persist
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -18,40 +19,122 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
-// Restore fills the store from the copy on disk, if there is a whole one,
-// and returns the etcd cluster it was taken from. It reports false when
+// Header is a copy on disk as Open finds it, before it is read whole:
+// enough to check it against etcd while it is restored.
+type Header struct {
+	// Cluster is the id of the etcd cluster the copy was taken from.
+	Cluster uint64
+	// Rev is the revision the copy is complete up to; CompactRev etcd's
+	// compaction revision as the cache last mirrored it.
+	Rev, CompactRev int64
+	// Bounds are every BoundsEvery-th key of the copy, in key order: where
+	// a reader of etcd's keys at Rev may cut its chunks.
+	Bounds [][]byte
+}
+
+// BoundsEvery is the spacing of Header.Bounds, the chunk hashcheck reads
+// etcd's keys in.
+const BoundsEvery = 10000
+
+// Open opens the copy on disk, if there is a whole one, and returns its
+// header; Restore then reads it into the store. It reports false when
 // there is none or it is damaged (and says why in the log and the
-// etcd_snapcache_disk_restores_total metric); the store is then
-// unchanged. The caller must prove the restored store is etcd's history
-// before serving from it, and tell Accepted or Refused.
-func (p *Persister) Restore(ctx context.Context) (cluster uint64, ok bool) {
+// etcd_snapcache_disk_restores_total metric). The caller must prove the
+// restored store is etcd's history before serving from it, and tell
+// Accepted or Refused.
+func (p *Persister) Open(ctx context.Context) (Header, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	start := time.Now()
 	if err := os.Remove(p.path + ".new"); err == nil {
 		p.lg.Info("removed a whole copy that a previous process did not finish writing", zap.String("path", p.path+".new"))
 	}
 	if _, err := os.Stat(p.path); errors.Is(err, fs.ErrNotExist) {
 		p.lg.Info("no copy of the cache on disk: loading from etcd", zap.String("path", p.path))
 		p.m.observeRestore("none")
-		return 0, false
+		return Header{}, false
 	}
-	s, err := p.restoreLocked(ctx)
+	h, err := p.openLocked(ctx)
 	if err != nil {
-		result := "damaged"
-		if !errors.Is(err, ErrCorrupt) && !errors.Is(err, revtree.ErrInconsistent) {
-			result = "unreadable"
-		}
-		p.m.observeRestore(result)
-		p.lg.Warn("cannot use the cache's copy on disk: loading from etcd", zap.String("path", p.path), zap.Error(err))
-		p.discardLocked()
-		return 0, false
+		p.unusableLocked(err)
+		return Header{}, false
 	}
+	return h, true
+}
+
+// openLocked opens cache.db and reads its state and bounds.
+func (p *Persister) openLocked(ctx context.Context) (Header, error) {
+	db, err := openDB(p.path, false)
+	if err != nil {
+		return Header{}, err
+	}
+	var h Header
+	err = db.View(func(tx *bolt.Tx) error {
+		meta, kvb, evb := tx.Bucket(metaBucket), tx.Bucket(kvBucket), tx.Bucket(eventsBucket)
+		if meta == nil || kvb == nil || evb == nil {
+			return fmt.Errorf("%w: buckets missing", ErrCorrupt)
+		}
+		rec := meta.Get(stateKey)
+		if rec == nil {
+			return fmt.Errorf("%w: no state record: the copy was never finished", ErrCorrupt)
+		}
+		s, err := unmarshalState(rec)
+		if err != nil {
+			return err
+		}
+		p.disk = s
+		h = Header{Cluster: s.cluster, Rev: s.rev, CompactRev: s.compactRev}
+		c, n := kvb.Cursor(), 0
+		for k, _ := c.First(); k != nil; k, _ = c.Next() {
+			if n%BoundsEvery == 0 {
+				if ctx.Err() != nil {
+					return ctx.Err()
+				}
+				h.Bounds = append(h.Bounds, bytes.Clone(k))
+			}
+			n++
+		}
+		return nil
+	})
+	if err != nil {
+		db.Close()
+		return Header{}, err
+	}
+	p.db = db
+	return h, nil
+}
+
+// unusableLocked records and logs a copy that cannot be read, and
+// throws it away.
+func (p *Persister) unusableLocked(err error) {
+	result := "damaged"
+	if !errors.Is(err, ErrCorrupt) && !errors.Is(err, revtree.ErrInconsistent) {
+		result = "unreadable"
+	}
+	p.m.observeRestore(result)
+	p.lg.Warn("cannot use the cache's copy on disk: loading from etcd", zap.String("path", p.path), zap.Error(err))
+	p.discardLocked()
+}
+
+// Restore fills the store from the copy Open opened. On an error (a
+// damaged copy: it is logged, counted and thrown away) the store is
+// unchanged.
+func (p *Persister) Restore(ctx context.Context) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.db == nil {
+		return errors.New("no copy on disk is open")
+	}
+	start := time.Now()
+	if err := p.restoreLocked(ctx); err != nil {
+		p.unusableLocked(err)
+		return err
+	}
+	s := p.disk
 	p.lg.Info("restored the cache from its copy on disk; verifying it against etcd before serving",
 		zap.String("path", p.path), zap.Uint64("cluster-id", s.cluster),
 		zap.Int64("base-revision", s.base), zap.Int64("revision", s.rev), zap.Int64("compact-revision", s.compactRev),
 		zap.Duration("took", time.Since(start)))
-	return s.cluster, true
+	return nil
 }
 
 // Accepted records that the restored store was proven to be etcd's
@@ -84,44 +167,28 @@ func (p *Persister) discardLocked() {
 	}
 }
 
-// restoreLocked opens the copy, reads it whole and restores the store.
-func (p *Persister) restoreLocked(ctx context.Context) (state, error) {
-	db, err := openDB(p.path, false)
-	if err != nil {
-		return state{}, err
-	}
-	var s state
+// restoreLocked reads the open copy whole and restores the store.
+func (p *Persister) restoreLocked(ctx context.Context) error {
+	s := p.disk
 	var kvs []*mvccpb.KeyValue
 	var batches []revtree.Batch
-	err = db.View(func(tx *bolt.Tx) error {
-		meta, kvb, evb := tx.Bucket(metaBucket), tx.Bucket(kvBucket), tx.Bucket(eventsBucket)
-		if meta == nil || kvb == nil || evb == nil {
-			return fmt.Errorf("%w: buckets missing", ErrCorrupt)
-		}
-		rec := meta.Get(stateKey)
-		if rec == nil {
-			return fmt.Errorf("%w: no state record: the copy was never finished", ErrCorrupt)
-		}
+	err := p.db.View(func(tx *bolt.Tx) error {
 		var err error
-		if s, err = unmarshalState(rec); err != nil {
+		if kvs, err = readKVs(ctx, tx.Bucket(kvBucket)); err != nil {
 			return err
 		}
-		if kvs, err = readKVs(ctx, kvb); err != nil {
-			return err
-		}
-		batches, err = readEvents(ctx, evb, s)
+		batches, err = readEvents(ctx, tx.Bucket(eventsBucket), s)
 		return err
 	})
 	if err == nil {
 		err = p.cfg.Store.Restore(s.base, kvs, batches, s.rev, s.compactRev)
 	}
 	if err != nil {
-		db.Close()
-		return state{}, err
+		return err
 	}
-	p.db, p.disk, p.gen = db, s, p.cfg.Store.Generation()
+	p.gen = p.cfg.Store.Generation()
 	p.diskRev.Store(s.rev)
-	return s, nil
+	return nil
 }
 
 // readKVs decodes the kv bucket, on every core: bbolt hands out its keys

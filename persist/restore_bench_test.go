@@ -54,8 +54,11 @@ func BenchmarkRestore(b *testing.B) {
 	for range b.N {
 		fresh := revtree.New(0)
 		r := New(Config{Dir: dir, Store: fresh, Source: newServingSource(7)})
-		if _, ok := r.Restore(context.Background()); !ok {
-			b.Fatal("no restore")
+		if _, ok := r.Open(context.Background()); !ok {
+			b.Fatal("no copy")
+		}
+		if err := r.Restore(context.Background()); err != nil {
+			b.Fatal(err)
 		}
 		r.close()
 	}

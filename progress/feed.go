@@ -102,6 +102,7 @@ func (e *loadError) Unwrap() error { return e.err }
 // revision leaves a window in which etcd has moved on, the watch is one
 // etcd still has to catch up, and a compaction cancels it.
 func (f *Follower) feed(ctx context.Context) {
+	defer f.warm.settle()
 	bo := backoff.New(minRetryPause, maxRetryPause)
 	needLoad := true
 	// replay: the first load replays etcd's retained history.
@@ -150,7 +151,7 @@ func (f *Follower) feed(ctx context.Context) {
 			continue
 		}
 		if errors.As(err, &reload) {
-			if f.warm.restored {
+			if f.warm.opened {
 				// A sign of another history came before the copy on
 				// disk was verified: it is not served.
 				_ = f.refuseDisk(reload.reason, reload.err)
@@ -397,7 +398,8 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMo
 	if err != nil {
 		return fmt.Errorf("opening the upstream watch: %w", err)
 	}
-	startRev, createRev := f.store.Rev(), f.store.Rev()
+	startRev := f.resumeRev()
+	createRev := startRev
 	switch mode {
 	case fromHead, loadAtHead:
 		createRev = 0
@@ -459,7 +461,7 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMo
 			// watcher is behind etcd's compaction, and etcd would cancel
 			// it.
 			err := fmt.Errorf("watch from revision %d canceled: compacted at %d", startRev, resp.CompactRevision)
-			if f.warm.restored {
+			if f.warm.opened {
 				return f.refuseDisk("compacted", err)
 			}
 			f.timelineChanged("compacted-resume", err)

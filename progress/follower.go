@@ -55,6 +55,12 @@ type Config struct {
 	// disk: the first load restores it and follows etcd from its
 	// revision, once it is proven etcd's history (warm.go).
 	Disk DiskCopy
+	// VerifyCopy, if set, reports whether etcd's keys and their mod
+	// revisions at rev are those of the store restored from Disk: it
+	// reads etcd's, in chunks cut at bounds, while restored (which
+	// returns the restore's error) has not returned, then compares.
+	// Without it, VerifyHistory runs once the store is restored.
+	VerifyCopy func(ctx context.Context, rev int64, bounds [][]byte, restored func() error) (bool, error)
 }
 
 // Follower keeps a revtree.Store in step with etcd. Create it with New and

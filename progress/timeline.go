@@ -156,7 +156,7 @@ func reloadReasonFor(sign string) string {
 // every key's mod revision at rev. With next (etcd compacted at rev+1),
 // rev cannot be read in etcd any more, and only the head is compared.
 func (f *Follower) verifyResume(ctx context.Context, rev int64, next bool) error {
-	if f.warm.restored {
+	if f.warm.opened {
 		return f.verifyWarm(ctx, rev, next)
 	}
 	w := f.witness()

@@ -11,12 +11,15 @@ import (
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/etcderr"
+	"github.com/etcd-snapcache/etcd-snapcache/persist"
 )
 
 // A warm start: the store restored from the copy a previous process left
 // on disk (Config.Disk), then followed from its revision R, as a resumed
-// watch is. Nothing is served from it until it is proven to be etcd's
-// history, with the checks a resume makes and stricter ones:
+// watch is. The restore runs beside the checks: while the proxy decodes
+// the copy, etcd reads its keys at R. Nothing is served from it until it
+// is proven to be etcd's history, with the checks a resume makes and
+// stricter ones:
 //
 //   - the copy's cluster is the one etcd answers for;
 //   - etcd's head (a quorum read) is not below R;
@@ -32,9 +35,12 @@ import (
 // DiskCopy is the copy of the cache a previous process left on local disk
 // (a *persist.Persister).
 type DiskCopy interface {
-	// Restore fills the store from the copy and returns the cluster it
-	// was taken from; false if there is no usable copy (it says why).
-	Restore(ctx context.Context) (clusterID uint64, ok bool)
+	// Open finds the copy and reads its header; false if there is no
+	// usable copy (it says why).
+	Open(ctx context.Context) (persist.Header, bool)
+	// Restore fills the store from the opened copy; an error if it is
+	// damaged (it says why, and throws it away).
+	Restore(ctx context.Context) error
 	// Accepted is told the restored store is proven etcd's history.
 	Accepted()
 	// Refused is told the restored store failed check against etcd.
@@ -42,7 +48,8 @@ type DiskCopy interface {
 }
 
 var (
-	// errNoDiskCopy: there is no copy to start from; the feed loads.
+	// errNoDiskCopy: there is no copy to start from, or it is damaged;
+	// the feed loads.
 	errNoDiskCopy = errors.New("no usable copy of the cache on disk")
 	// errDiskRefused: the restored copy failed a check against etcd;
 	// the feed loads.
@@ -51,74 +58,134 @@ var (
 
 // warmState is the feed's warm start; only the feed's goroutine uses it.
 type warmState struct {
-	restored bool   // the store holds the copy, not yet refused
-	cluster  uint64 // the copy's cluster
+	opened bool           // the copy is open, not yet verified or refused
+	header persist.Header // the copy's
+	// restore fills the store from the copy, beside the checks against
+	// etcd: etcd reads its keys at the copy's revision while the proxy
+	// decodes the copy.
+	restore *restoring
+	// compactRev is etcd's compaction revision, found before the watch.
+	compactRev int64
 	// target is etcd's head when the copy was checked: the store serves
-	// once verified and caught up with it. 0 once verified or refused.
+	// once verified and caught up with it.
 	target int64
 }
 
-// warmStart restores the store from the copy on disk, checks it against
-// etcd and follows etcd from its revision. It returns errNoDiskCopy or
-// errDiskRefused when the feed must load instead, a *loadError when etcd
-// could not be asked (the feed tries again), and otherwise what the
-// resumed watch ends with.
+// restoring is a restore of the store from the copy, on a goroutine the
+// feed waits for.
+type restoring struct {
+	done chan struct{}
+	err  error // Restore's, once done is closed
+}
+
+// wait waits for the restore and returns its error.
+func (r *restoring) wait() error {
+	<-r.done
+	return r.err
+}
+
+// errRestore wraps a restore's error: the copy was damaged.
+type restoreError struct{ err error }
+
+func (e *restoreError) Error() string { return "restoring the copy on disk: " + e.err.Error() }
+func (e *restoreError) Unwrap() error { return e.err }
+
+// settle waits for a restore under way: the feed returns only once it has.
+func (w *warmState) settle() {
+	if w.restore != nil {
+		w.restore.wait()
+	}
+}
+
+// resumeRev is the revision the upstream watch continues: the store's, or
+// while a copy on disk is being restored and verified, the copy's.
+func (f *Follower) resumeRev() int64 {
+	if f.warm.opened {
+		return f.warm.header.Rev
+	}
+	return f.store.Rev()
+}
+
+// warmStart opens the copy on disk, restores the store from it while it
+// checks it against etcd, and follows etcd from its revision. It returns
+// errNoDiskCopy or errDiskRefused when the feed must load instead, a
+// *loadError when etcd could not be asked (the feed tries again), and
+// otherwise what the resumed watch ends with.
 func (f *Follower) warmStart(ctx context.Context, bo *backoff.Backoff) error {
-	if !f.warm.restored {
+	if !f.warm.opened {
 		// The release decides how some reads are answered: as a load,
 		// read it before the store can serve.
 		f.version.refresh(ctx)
 		if err := checkRelease(f.upstream.getVersion()); err != nil {
 			return &loadError{err}
 		}
-		cluster, ok := f.cfg.Disk.Restore(ctx)
+		h, ok := f.cfg.Disk.Open(ctx)
 		if !ok {
 			return errNoDiskCopy
 		}
-		f.warm.restored, f.warm.cluster = true, cluster
+		r := &restoring{done: make(chan struct{})}
+		go func() {
+			defer close(r.done)
+			r.err = f.cfg.Disk.Restore(ctx)
+		}()
+		f.warm = warmState{opened: true, header: h, restore: r}
 	}
+	h := f.warm.header
 	head, err := f.readHeadForLoad(ctx)
 	if err != nil {
 		return &loadError{err}
 	}
-	rev := f.store.Rev()
 	switch {
-	case head.ClusterId != f.warm.cluster:
-		return f.refuseDisk("cluster-id", fmt.Errorf("the copy is of cluster %x, etcd answers for %x", f.warm.cluster, head.ClusterId))
-	case head.Revision < rev:
-		return f.refuseDisk("head-below-disk", fmt.Errorf("etcd's head %d is below the copy's revision %d", head.Revision, rev))
+	case head.ClusterId != h.Cluster:
+		return f.refuseDisk("cluster-id", fmt.Errorf("the copy is of cluster %x, etcd answers for %x", h.Cluster, head.ClusterId))
+	case head.Revision < h.Rev:
+		return f.refuseDisk("head-below-disk", fmt.Errorf("etcd's head %d is below the copy's revision %d", head.Revision, h.Rev))
 	}
-	readable, err := f.compaction.readable(ctx, rev)
+	readable, err := f.compaction.readable(ctx, h.Rev)
 	if err != nil {
 		return &loadError{err}
 	}
 	if !readable {
-		return f.refuseDisk("compacted", fmt.Errorf("etcd compacted past the copy's revision %d", rev))
+		return f.refuseDisk("compacted", fmt.Errorf("etcd compacted past the copy's revision %d", h.Rev))
 	}
-	compactRev, err := f.compaction.find(ctx, f.store.CompactRev(), rev, 0)
-	if err != nil {
+	if f.warm.compactRev, err = f.compaction.find(ctx, h.CompactRev, h.Rev, 0); err != nil {
 		return &loadError{err}
 	}
-	f.store.Compact(compactRev) // nothing watches yet
-	f.timeline.loaded(f.warm.cluster)
+	f.timeline.loaded(h.Cluster)
 	f.warm.target = head.Revision
-	f.loads.Add(1) // the store holds a keyspace: the feed resumes, not loads
-	f.changes.notify()
+	f.loads.Add(1) // the feed resumes from the copy, not loads
 	return f.followOn(ctx, bo, true)
 }
 
-// verifyWarm is verifyResume for a store restored from disk: the watch
-// from rev is created, and etcd's keys at rev must be the store's. With
-// next (etcd compacted at rev+1) they cannot be compared any more.
+// verifyWarm is verifyResume for a copy on disk: the watch from rev is
+// created, and etcd's keys at rev, read while the copy is restored, must
+// be the store's. With next (etcd compacted at rev+1) they cannot be
+// compared any more.
 func (f *Follower) verifyWarm(ctx context.Context, rev int64, next bool) error {
-	if next || f.store.CompactRev() > rev {
+	if next || f.warm.compactRev > rev {
 		return f.refuseDisk("compacted", fmt.Errorf("etcd compacted past the copy's revision %d", rev))
 	}
-	if f.cfg.VerifyHistory == nil {
-		return f.refuseDisk("history", errors.New("no way to compare etcd's keys with the copy's"))
+	restored := func() error {
+		if err := f.warm.restore.wait(); err != nil {
+			return &restoreError{err}
+		}
+		return nil
 	}
-	same, err := f.cfg.VerifyHistory(ctx, rev)
+	var same bool
+	var err error
+	if f.cfg.VerifyCopy != nil {
+		same, err = f.cfg.VerifyCopy(ctx, rev, f.warm.header.Bounds, restored)
+	} else if err = restored(); err == nil && f.cfg.VerifyHistory != nil {
+		same, err = f.cfg.VerifyHistory(ctx, rev)
+	} else if err == nil {
+		err = errors.New("no way to compare etcd's keys with the copy's")
+	}
+	var damaged *restoreError
 	switch {
+	case errors.As(err, &damaged):
+		// The persister said why, and threw the copy away.
+		f.dropDisk()
+		return fmt.Errorf("%w: %w", errNoDiskCopy, err)
 	case etcderr.Is(err, rpctypes.ErrCompacted):
 		return f.refuseDisk("compacted", err)
 	case etcderr.Is(err, rpctypes.ErrFutureRev):
@@ -128,6 +195,7 @@ func (f *Follower) verifyWarm(ctx context.Context, rev int64, next bool) error {
 	case !same:
 		return f.refuseDisk("history", fmt.Errorf("etcd's keys at revision %d differ from the copy's", rev))
 	}
+	f.store.Compact(f.warm.compactRev) // nothing watches yet
 	f.cfg.Disk.Accepted()
 	target := f.warm.target
 	f.warm = warmState{}
@@ -135,14 +203,22 @@ func (f *Follower) verifyWarm(ctx context.Context, rev int64, next bool) error {
 	return nil
 }
 
-// refuseDisk throws the restored store away: the feed loads from etcd.
+// refuseDisk throws the copy away after a failed check: the feed loads
+// from etcd.
 func (f *Follower) refuseDisk(check string, err error) error {
+	f.warm.settle()
 	f.cfg.Disk.Refused(check, err)
 	f.lg.Warn("not serving the cache's copy on disk", zap.String("check", check), zap.Error(err))
+	f.dropDisk()
+	return fmt.Errorf("%w: %s: %w", errDiskRefused, check, err)
+}
+
+// dropDisk empties the store of the copy, once its restore has ended.
+func (f *Follower) dropDisk() {
+	f.warm.settle()
 	f.warm = warmState{}
 	f.store.Unload()
 	// Nothing of the copy's history holds, not even its compaction
 	// revision.
 	f.store.ForgetCompaction()
-	return fmt.Errorf("%w: %s: %w", errDiskRefused, check, err)
 }

@@ -168,6 +168,9 @@ func Start(cfg Config) (*Server, error) {
 		Disk:                    disk,
 		// The checker is built next; resumes happen only once Run began.
 		VerifyHistory: func(ctx context.Context, rev int64) (bool, error) { return s.checker.SameHistory(ctx, rev) },
+		VerifyCopy: func(ctx context.Context, rev int64, bounds [][]byte, restored func() error) (bool, error) {
+			return s.checker.SameHistoryAhead(ctx, rev, bounds, restored)
+		},
 	})
 	s.gate.Connect(gate.Upstream{
 		Forwarding: s.client.ActiveConnection(),
