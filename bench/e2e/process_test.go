@@ -172,7 +172,11 @@ func (p *proxyProcess) handover(tb testing.TB) time.Duration {
 		tb.Fatal(err)
 	}
 	// The old process names the new one in its log; it may have exited
-	// by the time it is read.
+	// by the time it is read. Whatever happens, it is stopped at the end.
+	tb.Cleanup(func() {
+		b, _ := os.ReadFile(old.logPath)
+		testsupport.StopPid(tb, testsupport.HandedOverTo(string(b)))
+	})
 	var pid int
 	testsupport.Poll(tb, startTimeout, 10*time.Millisecond, "the process taking over", func() (bool, error) {
 		b, _ := os.ReadFile(old.logPath)

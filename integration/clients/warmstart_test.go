@@ -233,13 +233,11 @@ func TestHandoverKeepsClients(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The old process names the new one in its log; it may have exited
-	// by the time it is read.
-	var pid int
+	// by the time it is read. Whatever happens, it is stopped at the end.
+	t.Cleanup(func() { testsupport.StopPid(t, testsupport.HandedOverTo(px.log())) })
 	waitUntil(t, 30*time.Second, "the process taking over", func() (bool, error) {
-		pid = testsupport.HandedOverTo(px.log())
-		return pid != 0, nil
+		return testsupport.HandedOverTo(px.log()) != 0, nil
 	})
-	t.Cleanup(func() { stopPid(t, pid) })
 	select {
 	case <-px.done:
 	case <-time.After(time.Minute):
@@ -275,25 +273,5 @@ func TestHandoverKeepsClients(t *testing.T) {
 	// The metrics address is the new process's now: it took it over too.
 	if r := restoreResults(t, px); r["warm"] != 1 {
 		t.Fatalf("the new process's restores: %v, want one warm", r)
-	}
-}
-
-// stopPid stops a process the test did not start (SIGTERM, then SIGKILL)
-// and waits until it has exited.
-func stopPid(t testing.TB, pid int) {
-	if pid == 0 {
-		return
-	}
-	_ = syscall.Kill(pid, syscall.SIGTERM)
-	kill := time.NewTimer(15 * time.Second)
-	defer kill.Stop()
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for testsupport.ProcessRuns(pid) {
-		select {
-		case <-kill.C:
-			_ = syscall.Kill(pid, syscall.SIGKILL)
-		case <-tick.C:
-		}
 	}
 }

@@ -6,6 +6,9 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"syscall"
+	"testing"
+	"time"
 )
 
 // HandedOverTo returns the pid of the process that a proxy's log (its JSON
@@ -34,4 +37,27 @@ func ProcessRuns(pid int) bool {
 	// "pid (comm) state ...", and comm may hold spaces and parentheses.
 	i := bytes.LastIndexByte(b, ')')
 	return i >= 0 && i+2 < len(b) && b[i+2] != 'Z' && b[i+2] != 'X'
+}
+
+// StopPid stops a process the test did not start, and so cannot wait for
+// (SIGTERM, then SIGKILL after 15 s), and returns once it has exited. A
+// pid of 0 is no process.
+func StopPid(tb testing.TB, pid int) {
+	tb.Helper()
+	if pid == 0 {
+		return
+	}
+	_ = syscall.Kill(pid, syscall.SIGTERM)
+	kill := time.NewTimer(15 * time.Second)
+	defer kill.Stop()
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for ProcessRuns(pid) {
+		select {
+		case <-kill.C:
+			tb.Logf("process %d did not stop within 15s of SIGTERM; killing it", pid)
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		case <-tick.C:
+		}
+	}
 }
