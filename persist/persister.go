@@ -11,6 +11,7 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+	berrors "go.etcd.io/bbolt/errors"
 	"go.uber.org/zap"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -207,18 +208,18 @@ func (p *Persister) flush(ctx context.Context) error {
 		return nil
 	}
 	if serving && cluster != 0 {
-		if p.gen == gen && p.disk.cluster != cluster {
-			p.gen = 0 // never so: another cluster's history is another generation
-		}
 		p.served, p.cluster = gen, cluster
 	}
-	if p.served != gen {
-		return nil
+	if p.served == 0 || p.served != gen {
+		return nil // never served, or not this generation
 	}
 	start := time.Now()
 	kind := "append"
 	var err error
-	if p.gen == 0 || p.db == nil || st.HistoryStart() > p.disk.rev+1 {
+	// A whole copy unless the one on disk continues this generation of
+	// the store, for its cluster, and the store still holds every
+	// revision after it.
+	if p.gen != gen || p.db == nil || p.disk.cluster != p.cluster || st.HistoryStart() > p.disk.rev+1 {
 		kind = "rewrite"
 		err = p.rewriteLocked(ctx, gen)
 	} else {
@@ -292,8 +293,11 @@ func (p *Persister) Failing() error {
 // another process's lock.
 func openDB(path string, noSync bool) (*bolt.DB, error) {
 	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: lockTimeout, NoSync: noSync, NoFreelistSync: true, FreelistType: bolt.FreelistMapType})
-	if errors.Is(err, bolt.ErrTimeout) {
+	if errors.Is(err, berrors.ErrTimeout) {
 		return nil, fmt.Errorf("opening %s: another process holds it: %w", path, err)
+	}
+	if errors.Is(err, berrors.ErrInvalid) || errors.Is(err, berrors.ErrVersionMismatch) || errors.Is(err, berrors.ErrChecksum) {
+		return nil, fmt.Errorf("%w: opening %s: %w", ErrCorrupt, path, err)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("opening %s: %w", path, err)

@@ -103,16 +103,22 @@ func (p *Persister) openLocked(ctx context.Context) (Header, error) {
 	return h, nil
 }
 
-// unusableLocked records and logs a copy that cannot be read, and
-// throws it away.
+// unusableLocked records and logs a copy that cannot be read. A damaged
+// one is thrown away; one that could not be read now (another process
+// holds it, the start was cancelled) is closed and left for a later
+// start.
 func (p *Persister) unusableLocked(err error) {
-	result := "damaged"
-	if !errors.Is(err, ErrCorrupt) && !errors.Is(err, revtree.ErrInconsistent) {
-		result = "unreadable"
+	if errors.Is(err, ErrCorrupt) || errors.Is(err, revtree.ErrInconsistent) {
+		p.m.observeRestore("damaged")
+		p.lg.Warn("the cache's copy on disk is damaged: throwing it away and loading from etcd", zap.String("path", p.path), zap.Error(err))
+		p.discardLocked()
+		return
 	}
-	p.m.observeRestore(result)
-	p.lg.Warn("cannot use the cache's copy on disk: loading from etcd", zap.String("path", p.path), zap.Error(err))
-	p.discardLocked()
+	p.m.observeRestore("unreadable")
+	p.lg.Warn("cannot read the cache's copy on disk now: loading from etcd", zap.String("path", p.path), zap.Error(err))
+	p.closeDBLocked()
+	p.gen, p.disk = 0, state{}
+	p.diskRev.Store(0)
 }
 
 // Restore fills the store from the copy Open opened. On an error (a

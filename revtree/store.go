@@ -306,11 +306,24 @@ func (s *Store) Restore(base int64, kvs []*mvccpb.KeyValue, batches []Batch, rev
 	s.replaceLocked(snaps, rev, compactRev)
 	s.liveBytes, s.historyBytes, s.indexBytes = total.live, historyBytes, total.indexBytes
 	s.liveKeys, s.indexKeys = total.liveKeys, total.indexKeys
-	s.trimLocked()
-	s.startSweepLocked()
 	s.mu.Unlock()
-	s.sweepAll()
-	return nil
+	// Over the budget, the oldest snapshots go, as Apply drops them; but
+	// one at a time, each drop's versions swept before the next is
+	// weighed: the index holds every restored version until a sweep, and
+	// would weigh more than the applied store's, which sweeps as it goes.
+	for {
+		s.mu.Lock()
+		over := s.maxHistoryBytes > 0 && s.historyBytesLocked() > s.maxHistoryBytes && s.snapshots.Len() > 1
+		if over {
+			s.dropOldestLocked()
+			s.trimmed++
+		}
+		s.mu.Unlock()
+		s.sweepAll()
+		if !over {
+			return nil
+		}
+	}
 }
 
 // Unload discards the keyspace and every snapshot, and keeps the revision
