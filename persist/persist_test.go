@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -26,6 +25,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -1233,45 +1233,13 @@ func TestFullDisk(t *testing.T) {
 	sameStore(t, "restored after the disk took writes again", st, mustRestore(t, dir, 7))
 }
 
-// readOnly makes dir read-only until the test ends or the returned
-// function is called: a read-only bind mount of itself as root (root
-// writes through file modes), else mode 0555.
-func readOnly(t *testing.T, dir string) (writable func()) {
-	t.Helper()
-	var once sync.Once
-	if os.Geteuid() != 0 {
-		if err := os.Chmod(dir, 0o555); err != nil {
-			t.Fatal(err)
-		}
-		writable = func() { once.Do(func() { os.Chmod(dir, 0o755) }) }
-	} else {
-		if out, err := exec.Command("mount", "--bind", "-o", "ro", dir, dir).CombinedOutput(); err != nil {
-			t.Fatalf("making %s read-only with a bind mount: %v: %s", dir, err, out)
-		}
-		writable = func() {
-			once.Do(func() {
-				if out, err := exec.Command("umount", dir).CombinedOutput(); err != nil {
-					t.Errorf("unmounting %s: %v: %s", dir, err, out)
-				}
-			})
-		}
-	}
-	t.Cleanup(writable)
-	if f, err := os.CreateTemp(dir, "probe"); err == nil {
-		f.Close()
-		os.Remove(f.Name())
-		t.Fatalf("%s is still writable", dir)
-	}
-	return writable
-}
-
 // TestReadOnlyDir: a directory that refuses writes fails the Flush, with
 // the path in the error, and sets Failing; nothing panics, and a copy
 // written before stays whole.
 func TestReadOnlyDir(t *testing.T) {
 	t.Run("empty", func(t *testing.T) {
 		dir := t.TempDir()
-		readOnly(t, dir)
+		testsupport.ReadOnly(t, dir)
 		st := revtree.New(0)
 		h := newHistory(t, 13, st)
 		h.load(100, 20, "k")
@@ -1297,7 +1265,7 @@ func TestReadOnlyDir(t *testing.T) {
 		copied := h.rev
 		copiedKeyspace, _ := h.keyspaceAt(copied)
 		p.close() // the copy is opened again, on the read-only directory
-		writable := readOnly(t, dir)
+		writable := testsupport.ReadOnly(t, dir)
 		h.steps(5)
 		err := p.Flush()
 		if err == nil || !strings.Contains(err.Error(), dir) {
