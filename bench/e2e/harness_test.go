@@ -211,3 +211,26 @@ func liveHeap() int64 {
 	runtime.ReadMemStats(&m)
 	return int64(m.HeapAlloc)
 }
+
+// firstError keeps the first error that concurrent workers report, and
+// cancels their context when one does.
+type firstError struct {
+	cancel context.CancelFunc
+	mu     sync.Mutex
+	err    error // guarded by mu
+}
+
+func (f *firstError) fail(err error) {
+	f.mu.Lock()
+	if f.err == nil {
+		f.err = err
+	}
+	f.mu.Unlock()
+	f.cancel()
+}
+
+func (f *firstError) get() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.err
+}

@@ -444,22 +444,9 @@ func persistWatchRound(b *testing.B, env *pairEnv, w *writer, keyOf func(int) []
 		complete atomic.Int64
 		allDone  = make(chan struct{}) // every watcher has every event
 		lastRecv atomic.Int64          // ns since base
-		mu       sync.Mutex
-		firstErr error
 	)
-	fail := func(err error) {
-		mu.Lock()
-		if firstErr == nil {
-			firstErr = err
-		}
-		mu.Unlock()
-		cancel()
-	}
-	errOf := func() error {
-		mu.Lock()
-		defer mu.Unlock()
-		return firstErr
-	}
+	first := &firstError{cancel: cancel}
+	fail, errOf := first.fail, first.get
 	for i := range nw {
 		wch := s.s.clis[i%len(s.s.clis)].Watch(ctx, rangePrefix, clientv3.WithPrefix(), clientv3.WithRev(from+1), clientv3.WithCreatedNotify())
 		wg.Go(func() {

@@ -81,23 +81,11 @@ func watchRound(b *testing.B, s *side, conns []*clientv3.Client, m *meter) round
 		allDone  = make(chan struct{}) // every event received
 		lastRecv atomic.Int64          // ns since base
 		mu       sync.Mutex
-		lats     []time.Duration
-		firstErr error
+		lats     []time.Duration // guarded by mu
 		wg       sync.WaitGroup
 	)
-	fail := func(err error) {
-		mu.Lock()
-		if firstErr == nil {
-			firstErr = err
-		}
-		mu.Unlock()
-		cancel()
-	}
-	errOf := func() error {
-		mu.Lock()
-		defer mu.Unlock()
-		return firstErr
-	}
+	first := &firstError{cancel: cancel}
+	fail, errOf := first.fail, first.get
 	streamCtx, closeStreams := context.WithCancel(ctx)
 	defer func() {
 		closeStreams()
