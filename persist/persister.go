@@ -314,6 +314,12 @@ func (p *Persister) appendLocked(gen uint64) error {
 		return nil
 	}
 	batches, upTo, err := st.EventsHeld(p.disk.rev+1, rev, 0)
+	if errors.Is(err, revtree.ErrNotRetained) {
+		// The budget dropped them since HistoryStart was read: the next
+		// write is a whole copy.
+		p.gen = 0
+		return errMoved
+	}
 	if err != nil {
 		return fmt.Errorf("reading the store's events after revision %d: %w", p.disk.rev, err)
 	}
@@ -409,6 +415,9 @@ func (p *Persister) rewriteLocked(ctx context.Context, gen uint64) error {
 		return fmt.Errorf("reading the store at revision %d: %w", oldest, err)
 	}
 	batches, upTo, err := st.EventsHeld(start, rev, 0)
+	if errors.Is(err, revtree.ErrNotRetained) {
+		return errMoved // dropped since HistoryStart was read: again next time
+	}
 	if err != nil {
 		return fmt.Errorf("reading the store's events from revision %d: %w", start, err)
 	}
