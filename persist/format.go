@@ -1,6 +1,7 @@
 package persist
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -23,6 +24,9 @@ var (
 	kvBucket     = []byte("kv")
 	eventsBucket = []byte("events")
 	stateKey     = []byte("state")
+	// boundsKey holds every BoundsEvery-th key of kv when it was written
+	// whole: where Open's reader may cut its chunks without walking kv.
+	boundsKey = []byte("bounds")
 )
 
 // ErrCorrupt says a copy on disk failed a check of its own: a checksum, its
@@ -232,4 +236,32 @@ func unmarshalEvent(b []byte) (*mvccpb.Event, error) {
 		return nil, fmt.Errorf("%w: %w", ErrCorrupt, err)
 	}
 	return e, nil
+}
+
+// marshalBounds is the meta bucket's record of bounds: each key
+// length-prefixed.
+func marshalBounds(bounds [][]byte) ([]byte, error) {
+	return seal(nil, func(b []byte) ([]byte, error) {
+		for _, k := range bounds {
+			b = protowire.AppendBytes(b, k)
+		}
+		return b, nil
+	})
+}
+
+func unmarshalBounds(rec []byte) ([][]byte, error) {
+	p, err := open(rec)
+	if err != nil {
+		return nil, err
+	}
+	var bounds [][]byte
+	for len(p) > 0 {
+		k, n := protowire.ConsumeBytes(p)
+		if n < 0 {
+			return nil, fmt.Errorf("%w: %w", ErrCorrupt, protowire.ParseError(n))
+		}
+		bounds = append(bounds, bytes.Clone(k))
+		p = p[n:]
+	}
+	return bounds, nil
 }

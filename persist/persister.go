@@ -482,8 +482,11 @@ func writeCopy(ctx context.Context, path string, view revtree.View, undo []*mvcc
 	}); err != nil {
 		return err
 	}
-	// The keyspace, a chunk of keys per transaction, in key order.
+	// The keyspace, a chunk of keys per transaction, in key order, and
+	// every BoundsEvery-th key for Open.
 	from := []byte{0}
+	var bounds [][]byte
+	n := 0
 	for from != nil {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -496,6 +499,10 @@ func writeCopy(ctx context.Context, path string, view revtree.View, undo []*mvcc
 				next = kv.Key
 				return false
 			}
+			if n%BoundsEvery == 0 {
+				bounds = append(bounds, kv.Key)
+			}
+			n++
 			start := len(buf)
 			if buf, err = marshalKV(buf, kv); err != nil {
 				return false
@@ -551,7 +558,16 @@ func writeCopy(ctx context.Context, path string, view revtree.View, undo []*mvcc
 		return fmt.Errorf("syncing %s: %w", path, err)
 	}
 	db.NoSync = false
-	return db.Update(func(tx *bolt.Tx) error { return putState(tx, s) })
+	rec, err := marshalBounds(bounds)
+	if err != nil {
+		return err
+	}
+	return db.Update(func(tx *bolt.Tx) error {
+		if err := tx.Bucket(metaBucket).Put(boundsKey, rec); err != nil {
+			return fmt.Errorf("writing the copy's bounds: %w", err)
+		}
+		return putState(tx, s)
+	})
 }
 
 // undoEvents makes kv the keyspace before the revision of events: each key

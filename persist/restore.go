@@ -8,6 +8,7 @@ import (
 	"io/fs"
 	"os"
 	"runtime"
+	"runtime/debug"
 	"sync"
 	"time"
 
@@ -83,6 +84,12 @@ func (p *Persister) openLocked(ctx context.Context) (Header, error) {
 		}
 		p.disk = s
 		h = Header{Cluster: s.cluster, Rev: s.rev, CompactRev: s.compactRev}
+		if rec := meta.Get(boundsKey); rec != nil {
+			// Written with the whole copy: folds since change kv a
+			// little, and any keys in order will do as bounds.
+			h.Bounds, err = unmarshalBounds(rec)
+			return err
+		}
 		c, n := kvb.Cursor(), 0
 		for k, _ := c.First(); k != nil; k, _ = c.Next() {
 			if n%BoundsEvery == 0 {
@@ -131,6 +138,10 @@ func (p *Persister) Restore(ctx context.Context) error {
 		return errors.New("no copy on disk is open")
 	}
 	start := time.Now()
+	// What a restore allocates it keeps: a collection meanwhile would
+	// only mark the growing store again and again (GOMEMLIMIT still
+	// holds).
+	defer debug.SetGCPercent(debug.SetGCPercent(-1))
 	if err := p.restoreLocked(ctx); err != nil {
 		p.unusableLocked(err)
 		return err
