@@ -11,6 +11,8 @@
 //	meta    "state":  format version, etcd's cluster id, the base revision
 //	                  B, the revision R the copy is complete up to, etcd's
 //	                  compaction revision as the cache mirrored it
+//	        "bounds": every BoundsEvery-th key of kv when it was written
+//	                  whole, where the check against etcd cuts its reads
 //	kv      key:      the KeyValue of the key at B, as etcd encodes it
 //	events  revision: the events of that revision (put or delete, without
 //	                  prev_kv), for every revision with events in (B, R]
