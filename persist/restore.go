@@ -128,9 +128,9 @@ func (p *Persister) unusableLocked(err error) {
 	p.diskRev.Store(0)
 }
 
-// Restore fills the store from the copy Open opened. On an error (a
-// damaged copy: it is logged, counted and thrown away) the store is
-// unchanged.
+// Restore fills the store from the copy Open opened. On an error the
+// store is unchanged, and the error is logged and counted: a damaged copy
+// is thrown away, one that could not be read now (ctx ended) is kept.
 func (p *Persister) Restore(ctx context.Context) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()

@@ -25,7 +25,7 @@ import (
 //   - etcd's head (a quorum read) is not below R;
 //   - etcd has not compacted past R, so R can still be compared;
 //   - once the watch from R is created, etcd's keys and mod revisions at
-//     R are the store's (Config.VerifyHistory): a restore that kept the
+//     R are the store's (Config.VerifyCopy): a restore that kept the
 //     cluster id and moved on from an older snapshot fails here.
 //
 // A copy that fails a check is thrown away and the keyspace is loaded from
