@@ -119,6 +119,7 @@ type loadReport struct {
 	Watches     int64               `json:"watches"`
 	WatchErrors int64               `json:"watch_errors"`
 	OutOfOrder  int64               `json:"out_of_order"`
+	Repeated    int64               `json:"repeated"`
 	Errors      []string            `json:"error_samples"`
 }
 

@@ -30,6 +30,7 @@ type cpAgg struct {
 	lists, watches      int64
 	watchErrors         int64
 	outOfOrder          int64
+	repeated            int64
 	skipped             int64
 	ops                 map[string]*cpOpAgg
 	logs                logCounts
@@ -77,6 +78,7 @@ func aggregate(phs []cpPhase) *cpAgg {
 		a.watches += l.Watches
 		a.watchErrors += l.WatchErrors
 		a.outOfOrder += l.OutOfOrder
+		a.repeated += l.Repeated
 		a.skipped += l.Skipped
 		for k, d := range l.Ops {
 			o := a.ops[k]
@@ -202,9 +204,9 @@ func (cp *controlPlane) report(b *testing.B, results []cpPhase) {
 					p99s = append(p99s, fmt.Sprintf("%s -(%d err)", k, o.errors))
 				}
 			}
-			fmt.Fprintf(&sb, "SUMMARY   %s load : cpu %.2f s/s  informer delay p50/p99/max %s/%s/%s ms (%d events)  informer lists %d watches %d errors %d out-of-order %d  ops %d errors %d skipped %d  p99 ms %s\n",
+			fmt.Fprintf(&sb, "SUMMARY   %s load : cpu %.2f s/s  informer delay p50/p99/max %s/%s/%s ms (%d events)  informer lists %d watches %d errors %d out-of-order %d repeated %d  ops %d errors %d skipped %d  p99 ms %s\n",
 				pad, a.loadCPU/a.secs, fmtMS(median(a.delayP50)), fmtMS(median(a.delayP99)), fmtMS(median(a.delayMax)), a.delayN,
-				a.lists, a.watches, a.watchErrors, a.outOfOrder, total, errs, a.skipped, strings.Join(p99s, " "))
+				a.lists, a.watches, a.watchErrors, a.outOfOrder, a.repeated, total, errs, a.skipped, strings.Join(p99s, " "))
 			for _, n := range a.notes {
 				fmt.Fprintf(&sb, "SUMMARY   %s note : %s\n", pad, n)
 			}

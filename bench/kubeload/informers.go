@@ -200,10 +200,11 @@ func slimMeta(m *metav1.ObjectMeta) {
 	*m = metav1.ObjectMeta{Name: m.Name, Namespace: m.Namespace, ResourceVersion: m.ResourceVersion, Annotations: ann}
 }
 
-// ordered counts an update whose resourceVersion is not newer than the
-// object's before it: with no resync (period 0), every update is a watch
-// event, and etcd's revisions only grow, so it was delivered twice or out
-// of order.
+// ordered counts an update whose resourceVersion is older than the
+// object's before it (out of order: etcd's revisions only grow), and one
+// at the same resourceVersion (repeated: an event delivered twice, or a
+// relist, whose Replace updates every object it lists again; with no
+// resync, nothing else repeats one).
 func (in *informer) ordered(old, obj any, st *stats) {
 	om, err1 := meta.Accessor(old)
 	nm, err2 := meta.Accessor(obj)
@@ -212,9 +213,13 @@ func (in *informer) ordered(old, obj any, st *stats) {
 	}
 	o, err1 := strconv.ParseUint(om.GetResourceVersion(), 10, 64)
 	n, err2 := strconv.ParseUint(nm.GetResourceVersion(), 10, 64)
-	if err1 == nil && err2 == nil && n <= o {
+	switch {
+	case err1 != nil || err2 != nil:
+	case n < o:
 		st.outOfOrder.Add(1)
-		st.sample(fmt.Sprintf("informer %s: %s/%s updated from resourceVersion %d to %d", in.resource, nm.GetNamespace(), nm.GetName(), o, n))
+		st.sample(fmt.Sprintf("informer %s: %s/%s updated from resourceVersion %d back to %d", in.resource, nm.GetNamespace(), nm.GetName(), o, n))
+	case n == o:
+		st.repeated.Add(1)
 	}
 }
 

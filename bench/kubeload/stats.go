@@ -75,10 +75,10 @@ type stats struct {
 	lists       atomic.Int64 // informers' LISTs (the initial ones and relists)
 	watches     atomic.Int64 // informers' WATCHes opened (resumes included)
 	watchErrors atomic.Int64 // informers' list and watch errors
-	// outOfOrder counts updates an informer received at a resourceVersion
-	// no newer than the object's it had: an event delivered twice, or out
-	// of order.
-	outOfOrder atomic.Int64
+	// outOfOrder and repeated count updates an informer received at a
+	// resourceVersion older than, and the same as, the object's it had
+	// (informer.ordered).
+	outOfOrder, repeated atomic.Int64
 }
 
 func newStats() *stats {
@@ -128,6 +128,7 @@ type report struct {
 	Watches     int64           `json:"watches"`
 	WatchErrors int64           `json:"watch_errors"`
 	OutOfOrder  int64           `json:"out_of_order"`
+	Repeated    int64           `json:"repeated"`
 	Errors      []string        `json:"error_samples,omitempty"`
 }
 
@@ -154,5 +155,6 @@ func (s *stats) take(secs float64) report {
 	r.Watches = s.watches.Swap(0)
 	r.WatchErrors = s.watchErrors.Swap(0)
 	r.OutOfOrder = s.outOfOrder.Swap(0)
+	r.Repeated = s.repeated.Swap(0)
 	return r
 }
