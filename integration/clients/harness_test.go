@@ -282,6 +282,9 @@ func startProxyTLS(t testing.TB, name, upstream string, st *serverTLS, extra ...
 		"--listen-addr=" + addr,
 		"--metrics-addr=" + metrics,
 		"--advertise-client-url=" + px.url,
+		// The copy on disk in the test's own directory (a later
+		// --data-dir in extra wins).
+		"--data-dir=" + filepath.Join(t.TempDir(), name+".data"),
 		// Compactions made directly on etcd are noticed within 100ms.
 		"--compaction-probe-interval=100ms",
 	}, tlsArgs...), extra...)
