@@ -187,7 +187,10 @@ func TestHandoverKeepsClients(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	w := exec.CommandContext(ctx, ctl, append(proxyCtl, "watch", "--prefix", "hand/")...)
+	// From the revision after etcd's head now: the watch sees every put,
+	// however long etcdctl takes to create it.
+	from := etcdHead(t, ctl, e.url) + 1
+	w := exec.CommandContext(ctx, ctl, append(proxyCtl, "watch", "--prefix", "hand/", "--rev="+strconv.FormatInt(from, 10))...)
 	w.Env = ctlEnv()
 	stdout, err := w.StdoutPipe()
 	if err != nil {
