@@ -10,7 +10,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
@@ -97,9 +96,8 @@ type fakeEtcd struct {
 	pb.KVClient
 	kvs []*mvccpb.KeyValue
 	// block, if set, is received from before each Range is answered (or
-	// the Range fails with its context, lingering first).
+	// the Range fails with its context).
 	block   chan struct{}
-	linger  time.Duration
 	pending atomic.Int64 // Ranges not yet returned
 	// failAt, if above 0, fails the failAt-th Range (from 1).
 	failAt int64
@@ -117,7 +115,6 @@ func (e *fakeEtcd) Range(ctx context.Context, r *pb.RangeRequest, _ ...grpc.Call
 		select {
 		case <-e.block:
 		case <-ctx.Done():
-			time.Sleep(e.linger)
 			return nil, ctx.Err()
 		}
 	}

@@ -347,7 +347,7 @@ func TestBoundedWalkStopsWhileReading(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	kvs := manyKVs(30)
 	v := viewOf(t, kvs)
-	etcd := &fakeEtcd{kvs: kvs, block: make(chan struct{}, 1), linger: 50 * time.Millisecond}
+	etcd := &fakeEtcd{kvs: kvs, block: make(chan struct{}, 1)}
 	etcd.block <- struct{}{} // the first Range alone is answered
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
