@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -20,6 +21,7 @@ import (
 	"go.etcd.io/etcd/server/v3/storage/mvcc"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
+	"github.com/etcd-snapcache/etcd-snapcache/server"
 	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
 
@@ -541,8 +543,24 @@ func TestWatchDifferentialHalfClose(t *testing.T) {
 //     follower reloads and the watches, which cannot be served the events
 //     they missed, are canceled with etcd's compaction revision after
 //     exactly etcd's events up to where they stood: nothing is skipped.
+//     The proxy learns the compaction from its probe or from the resumed
+//     watch's answer, whichever comes first; each subtest makes one of
+//     them certain.
 func TestWatchDifferentialUpstreamCut(t *testing.T) {
-	c := newCluster(t, clusterOptions{relay: true})
+	for _, learned := range []struct {
+		name  string
+		probe time.Duration
+	}{{"probe", 20 * time.Millisecond}, {"watch", time.Hour}} {
+		t.Run(learned.name, func(t *testing.T) {
+			testWatchUpstreamCut(t, learned.probe)
+		})
+	}
+}
+
+func testWatchUpstreamCut(t *testing.T, probeInterval time.Duration) {
+	c := newCluster(t, clusterOptions{relay: true, configure: func(cfg *server.Config) {
+		cfg.CompactionProbeInterval = probeInterval
+	}})
 	w := etcdWriter{t, c.direct}
 	for i := range 10 {
 		w.put(fmt.Sprintf("cut/%d", i%4), fmt.Sprint(i))

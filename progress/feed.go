@@ -464,6 +464,10 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMo
 			if f.warm.opened {
 				return f.refuseDisk("compacted", err)
 			}
+			// Mirrored first, so that the watchers end with etcd's
+			// compact_revision, not their own next revision, whether the
+			// probe found it before this answer or not.
+			f.ObserveCompaction(resp.CompactRevision, "watch")
 			f.timelineChanged("compacted-resume", err)
 			return &reloadError{reason: "compacted", err: err}
 		case resp.Canceled && mode == loadAtHead:

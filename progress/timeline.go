@@ -191,6 +191,11 @@ func (f *Follower) verifyResume(ctx context.Context, rev int64, next bool) error
 		}
 		// Compacted past the store's revision while away: the resume is
 		// refused too, and every watcher etcd would cancel is behind it.
+		// The watchers end with etcd's compaction revision, found first;
+		// if etcd cannot be asked, with their own next revision.
+		if perr := f.compaction.probeOnce(ctx, f.store.CompactRev(), 0, "watch"); perr != nil {
+			f.lg.Warn("finding etcd's compaction revision for the canceled watchers failed", zap.Error(perr))
+		}
 		f.timelineChanged("compacted-resume", err)
 		return errCompactedResume
 	case etcderr.Is(err, rpctypes.ErrFutureRev):
