@@ -196,6 +196,10 @@ func (g *Gate) Stop() {
 // AuthKnown is closed once the proxy knows whether etcd has auth enabled.
 func (g *Gate) AuthKnown() <-chan struct{} { return g.mirror.Known() }
 
+// AuthEnabled reports whether etcd has auth enabled, as far as the proxy
+// knows, and whether it knows.
+func (g *Gate) AuthEnabled() (enabled, known bool) { return g.mirror.Enabled() }
+
 // AuthStateKnown reports whether the proxy knows whether etcd has auth
 // enabled. Until then a cached read must ask etcd for its auth state (an
 // AuthStatus, which etcd commits through raft) before it is served.

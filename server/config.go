@@ -116,6 +116,9 @@ type Config struct {
 	GRPCKeepAliveMinTime, GRPCKeepAliveInterval, GRPCKeepAliveTimeout time.Duration
 	// EnablePprof serves /debug/pprof/ on the client port.
 	EnablePprof bool
+	// EnableGRPCGateway serves etcd's HTTP/JSON gateway (/v3/...) on the
+	// client port, as etcd's --enable-grpc-gateway.
+	EnableGRPCGateway bool
 	// EnableGRPCLogging logs every request and response.
 	EnableGRPCLogging bool
 	// Metrics is MetricsBasic or MetricsExtensive.
@@ -233,6 +236,7 @@ func DefaultConfig() Config {
 		CompactionProbeInterval:  progress.DefaultCompactionProbeInterval,
 		LoadPageSize:             progress.DefaultLoadPageSize,
 		MaxRequestBytes:          1.5 * 1024 * 1024, // etcd's
+		EnableGRPCGateway:        true,
 	}
 }
 

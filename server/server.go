@@ -42,6 +42,9 @@ type Server struct {
 	client *clientv3.Client   // of the upstream etcd, for callers' requests: no identity of its own
 	own    *clientv3.Client   // of the upstream etcd, as the proxy itself (User); client if none
 	self   *clientv3.Client   // of the proxy's own API, for /proxy/health
+	// gateway serves etcd's JSON gateway on the client port; nil when
+	// disabled.
+	gateway *gateway
 	// gate decides, per request, what etcd would of its caller.
 	gate     *gate.Gate
 	store    *revtree.Store
@@ -225,7 +228,14 @@ func Start(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := s.serveClientPort(s.grpcServer, newHTTPMux(endpoints, cfg.EnablePprof)); err != nil {
+	var clientMux http.Handler = newHTTPMux(endpoints, cfg.EnablePprof)
+	if cfg.EnableGRPCGateway {
+		if s.gateway, err = s.newGateway(); err != nil {
+			return nil, err
+		}
+		clientMux = s.gateway.wrap(clientMux)
+	}
+	if err := s.serveClientPort(s.grpcServer, clientMux); err != nil {
 		return nil, err
 	}
 	if s.metricsLis != nil {
@@ -599,6 +609,9 @@ func (s *Server) closeAll() {
 		s.cancel()
 	}
 	s.wg.Wait()
+	if s.gateway != nil {
+		s.gateway.close()
+	}
 	if s.self != nil {
 		s.self.Close()
 	}

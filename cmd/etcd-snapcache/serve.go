@@ -105,6 +105,8 @@ func serveCommand() *cli.Command {
 			&cli.DurationFlag{Name: "watch-progress-notify-interval", Category: catServing, Value: watchproxy.DefaultProgressNotifyInterval,
 				Usage: "interval of progress notifications to idle watchers that asked for them; not given: etcd's own interval, followed through an idle upstream watch (this default while etcd sends none)"},
 			&cli.BoolFlag{Name: "enable-pprof", Category: catServing, Usage: "serve runtime profiles at /debug/pprof/ on the client port"},
+			&cli.BoolFlag{Name: "enable-grpc-gateway", Category: catServing, Value: true,
+				Usage: "serve etcd's HTTP/JSON gateway (/v3/kv/range, /v3/watch, ...) on the client port, as etcd does: reads from the cache, the rest forwarded"},
 			&cli.BoolFlag{Name: "debug", Category: catServing, Usage: "log at debug level"},
 			&cli.StringFlag{Name: "log-level", Category: catServing, Value: "info", Usage: "debug, info, warn or error"},
 			&cli.BoolFlag{Name: "experimental-enable-grpc-logging", Category: catServing, Usage: "log every gRPC request and response"},
@@ -361,6 +363,7 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 	cfg.GRPCKeepAliveInterval = c.Duration("grpc-keepalive-interval")
 	cfg.GRPCKeepAliveTimeout = c.Duration("grpc-keepalive-timeout")
 	cfg.EnablePprof = c.Bool("enable-pprof")
+	cfg.EnableGRPCGateway = c.Bool("enable-grpc-gateway")
 	cfg.EnableGRPCLogging = c.Bool("experimental-enable-grpc-logging")
 	cfg.Metrics = c.String("metrics")
 	cfg.BTreeDegree = c.Int("btree-degree")
