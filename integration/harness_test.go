@@ -42,6 +42,10 @@ type clusterOptions struct {
 	// peerURL is etcd's peer URL (default: port 0, the same for every
 	// test's etcd, so that all of them have one cluster id).
 	peerURL string
+	// clientURL is etcd's client URL (default: port 0). etcd's JSON
+	// gateway dials etcd at the configured URL, so a test of it needs
+	// the port given.
+	clientURL string
 	// tiered puts a second proxy between etcd and the proxy under test: the
 	// proxy's --endpoints is the inner proxy, as in a tiered deployment.
 	tiered bool
@@ -70,6 +74,7 @@ func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 		AutoCompactionRetention: opts.autoCompactionRetention,
 		MaxRequestBytes:         uint(opts.maxRequestBytes),
 		PeerURL:                 opts.peerURL,
+		ClientURL:               opts.clientURL,
 	})
 	c := &cluster{etcd: e, etcdAddr: e.Clients[0].Addr().String()}
 

@@ -143,13 +143,19 @@ func (g *gateway) close() {
 // rules for them (accessController): /v3beta/ is /v3/; CORS headers for any
 // origin, etcd's default --cors; an OPTIONS preflight answered at once;
 // and over TLS with --client-cert-auth and auth enabled, a request that
-// presents a certificate with a common name refused.
+// presents a certificate with a common name refused. Then, as in etcd, an
+// http.ServeMux with the gateway at /v3/: it redirects /v3 and unclean
+// paths (/v3/kv//range) as etcd does. The other paths keep grpc-proxy's
+// handling, which has no CORS.
 func (g *gateway) wrap(next http.Handler) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle(gatewayPrefix, g.http)
+	mux.Handle("/", next)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if strings.HasPrefix(r.URL.Path, gatewayBetaPrefix) {
 			r.URL.Path = gatewayPrefix + strings.TrimPrefix(r.URL.Path, gatewayBetaPrefix)
 		}
-		if !strings.HasPrefix(r.URL.Path, gatewayPrefix) || isGRPC(r) {
+		if !isGatewayPath(r.URL.Path) || isGRPC(r) {
 			next.ServeHTTP(w, r)
 			return
 		}
@@ -168,8 +174,14 @@ func (g *gateway) wrap(next http.Handler) http.Handler {
 			w.WriteHeader(http.StatusOK)
 			return
 		}
-		g.http.ServeHTTP(w, r)
+		mux.ServeHTTP(w, r)
 	})
+}
+
+// isGatewayPath reports whether path is the gateway's: /v3/ and below, or
+// /v3 itself, which etcd redirects to /v3/.
+func isGatewayPath(path string) bool {
+	return path == strings.TrimSuffix(gatewayPrefix, "/") || strings.HasPrefix(path, gatewayPrefix)
 }
 
 // isGRPC reports whether r is a gRPC call (served by the gRPC server
