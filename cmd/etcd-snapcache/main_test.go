@@ -100,6 +100,38 @@ func TestServeTakesEtcdE2EProxyFlags(t *testing.T) {
 	}
 }
 
+// TestServeWithoutEndpoints: no --endpoints is the embedded etcd (make
+// run), whose endpoint is known only once it has started; the rest of the
+// configuration is still checked.
+func TestServeWithoutEndpoints(t *testing.T) {
+	for _, tc := range []struct {
+		args    []string
+		wantErr string
+	}{
+		{nil, ""},
+		{[]string{"--btree-degree", "1"}, "--btree-degree"},
+	} {
+		app := newApp()
+		var cfg server.Config
+		var cfgErr error
+		app.Commands[0].Action = func(c *cli.Context) error {
+			cfg, cfgErr = serverConfig(c, zap.NewNop())
+			return nil
+		}
+		if err := app.Run(append([]string{"etcd-snapcache", "serve"}, tc.args...)); err != nil {
+			t.Fatal(err)
+		}
+		switch {
+		case tc.wantErr == "" && cfgErr != nil:
+			t.Errorf("%v: %v", tc.args, cfgErr)
+		case tc.wantErr == "" && len(cfg.Endpoints) != 0:
+			t.Errorf("%v: endpoints %q, want none (the embedded etcd's, once started)", tc.args, cfg.Endpoints)
+		case tc.wantErr != "" && (cfgErr == nil || !strings.Contains(cfgErr.Error(), tc.wantErr)):
+			t.Errorf("%v: error %v, want one naming %s", tc.args, cfgErr, tc.wantErr)
+		}
+	}
+}
+
 // TestServeMaxHistoryBytes: --max-history-bytes reaches the server as a
 // byte count; not given, the default; 0, unbounded (the server's 0 too).
 func TestServeMaxHistoryBytes(t *testing.T) {

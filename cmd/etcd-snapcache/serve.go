@@ -384,7 +384,13 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 	cfg.MaxRequestBytes = c.Int("max-request-bytes")
 	cfg.WatchProgressNotifyInterval = progressOverride(c)
 	cfg.Logger = lg
-	if err := cfg.Validate(); err != nil {
+	// Without --endpoints the embedded etcd's endpoint is filled in once
+	// it has started: everything else is validated now.
+	check := cfg
+	if len(check.Endpoints) == 0 {
+		check.Endpoints = []string{"embedded"}
+	}
+	if err := check.Validate(); err != nil {
 		return server.Config{}, err
 	}
 	return cfg, nil
