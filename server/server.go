@@ -202,6 +202,7 @@ func Start(cfg Config) (*Server, error) {
 			ConstLabels: prometheus.Labels{"mode": m},
 		}, func() float64 { return boolGauge(s.mode() == m) }))
 	}
+	s.registerStatusMetrics()
 
 	if err := s.listen(); err != nil {
 		return nil, err

@@ -29,7 +29,7 @@ func newApp() *cli.App {
 			"watch, and answers historical and serializable reads from memory. Writes,\n" +
 			"leases, auth, cluster and maintenance calls go to etcd.",
 		Version:  version,
-		Commands: []*cli.Command{serveCommand(), checkCommand(), versionCommand()},
+		Commands: []*cli.Command{serveCommand(), checkCommand(), statusCommand(), versionCommand()},
 		// Hide the global --version flag: the version command says more.
 		HideVersion: true,
 	}
