@@ -198,6 +198,13 @@ func (p *Persister) restoreLocked(ctx context.Context) error {
 		return err
 	})
 	if err == nil {
+		// Reading the copy mapped every page of it into the process:
+		// opened again, the file is mapped afresh and only the pages
+		// later writes touch become resident. (What was read is a
+		// copy: the decoders copy bytes out of bbolt's pages.)
+		err = p.reopenLocked()
+	}
+	if err == nil {
 		err = p.cfg.Store.Restore(s.base, kvs, batches, s.rev, s.compactRev)
 	}
 	if err != nil {
@@ -205,6 +212,17 @@ func (p *Persister) restoreLocked(ctx context.Context) error {
 	}
 	p.gen = p.cfg.Store.Generation()
 	p.diskRev.Store(s.rev)
+	return nil
+}
+
+// reopenLocked closes the open copy and opens it again.
+func (p *Persister) reopenLocked() error {
+	p.closeDBLocked()
+	db, err := openDB(p.path, false)
+	if err != nil {
+		return fmt.Errorf("opening the copy again: %w", err)
+	}
+	p.db = db
 	return nil
 }
 
