@@ -13,9 +13,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
-	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
@@ -32,16 +30,7 @@ func TestStatusFallback(t *testing.T) {
 	}))
 	ctx, cancel := context.WithTimeout(context.Background(), statusWait)
 	defer cancel()
-	direct := client(t, etcd, clientv3.Config{})
-	var last int64
-	for _, k := range []string{"a", "b", "c"} {
-		resp, err := direct.Put(ctx, k, "v")
-		if err != nil {
-			t.Fatal(err)
-		}
-		last = resp.Header.Revision
-	}
-	testsupport.WaitFor(t, statusWait, "the cache at etcd's revision", func() bool { return p.Store().Rev() >= last })
+	putAndWait(ctx, t, etcd, p)
 	args := []string{"--endpoints", "http://" + p.MetricsAddr()}
 	if sts, err := statusJSON(t, args...); err != nil || sts[0].Mode != "serving" {
 		t.Fatalf("before the corruption: %+v, %v", sts, err)
