@@ -17,6 +17,7 @@ import (
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/etcderr"
+	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
 // Bounds of the pause between attempts to load or resume against a failing
@@ -236,7 +237,7 @@ func (f *Follower) loadKeyspace(ctx context.Context, at *pb.ResponseHeader, hist
 			loadRev = max(compactRev, 1)
 		}
 		f.unloadForLoad()
-		kvs, err := f.rangeAll(ctx, loadRev)
+		load, err := f.rangeAll(ctx, loadRev)
 		if errors.Is(etcderr.Of(err), rpctypes.ErrCompacted) && !history {
 			// etcd compacted past the load revision meanwhile. The watch
 			// delivers every revision after the one it was created at, so
@@ -254,14 +255,15 @@ func (f *Follower) loadKeyspace(ctx context.Context, at *pb.ResponseHeader, hist
 		if err != nil {
 			return err
 		}
-		f.store.Reset(loadRev, kvs, compactRev)
+		keys := load.Len()
+		f.store.ResetLoad(loadRev, load, compactRev)
 		f.timeline.loaded(clusterID)
 		f.loads.Add(1) // before waking waiters, which may be waiting for it
 		f.changes.notify()
 		f.lg.Info("loaded the keyspace from etcd",
 			zap.Int64("revision", loadRev),
 			zap.Int64("compact-revision", compactRev),
-			zap.Int("keys", len(kvs)),
+			zap.Int("keys", keys),
 			zap.Bool("retained-history", history),
 			zap.Duration("took", time.Since(start)))
 		f.m.observeLoad()
@@ -301,9 +303,17 @@ func (f *Follower) readHeadForLoad(ctx context.Context) (*pb.ResponseHeader, err
 	return head.Header, nil
 }
 
-// rangeAll reads every key at rev in pages, as kube-apiserver lists.
-func (f *Follower) rangeAll(ctx context.Context, rev int64) ([]*mvccpb.KeyValue, error) {
-	var kvs []*mvccpb.KeyValue
+// rangeAll reads every key at rev in pages, as kube-apiserver lists, into
+// a load of the store: each page is copied as it arrives, and what was
+// decoded is garbage before the next page (a load holds one copy of the
+// keyspace, not two). A failed load is discarded.
+func (f *Follower) rangeAll(ctx context.Context, rev int64) (_ *revtree.Load, err error) {
+	load := f.store.NewLoad()
+	defer func() {
+		if err != nil {
+			load.Discard()
+		}
+	}()
 	key := wholeKey
 	for {
 		if f.cfg.BeforeLoadPage != nil {
@@ -319,9 +329,9 @@ func (f *Follower) rangeAll(ctx context.Context, rev int64) ([]*mvccpb.KeyValue,
 			return nil, fmt.Errorf("loading keys at revision %d: %w", rev, err)
 		}
 		f.observeHeader(resp.Header)
-		kvs = append(kvs, resp.Kvs...)
+		load.Add(resp.Kvs)
 		if !resp.More || len(resp.Kvs) == 0 {
-			return kvs, nil
+			return load, nil
 		}
 		last := resp.Kvs[len(resp.Kvs)-1].Key
 		key = append(append(make([]byte, 0, len(last)+1), last...), 0)

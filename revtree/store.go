@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	"github.com/google/btree"
 
@@ -90,6 +91,10 @@ type Store struct {
 	dirty map[string]struct{}
 
 	flat flatRanges // pages of recent paginated reads; its own lock
+
+	// loadingBytes estimates the copies of the loads in progress
+	// (load.go), counted in ApproxBytes.
+	loadingBytes atomic.Int64
 }
 
 // snapshot is one retained revision: the events that produced it. The
@@ -207,9 +212,14 @@ func (s *Store) publishLocked() {
 // etcd's compaction revision as known to the caller; it never moves the
 // store's compaction revision backwards.
 func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
+	s.reset(rev, kvs, compactRev, false)
+}
+
+// reset is Reset of kvs, which are the store's copies already if stored.
+func (s *Store) reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64, stored bool) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	index, live, indexBytes := s.newIndex(kvs, false)
+	index, live, indexBytes := s.newIndex(kvs, stored)
 	s.index, s.indexChanged = index, true
 	snaps := btree.NewG(32, snapshotLess)
 	snaps.ReplaceOrInsert(&snapshot{rev: rev})
@@ -613,11 +623,13 @@ func (s *Store) OldestRev() int64 {
 // ApproxBytes estimates the memory of the store: the keyspace at its newest
 // revision (its KeyValues, one version of each and the index's tree), plus
 // HistoryBytes, plus what dropped snapshots left in the index until its
-// sweep frees it (about a 64th of history, at most an eighth of the budget).
+// sweep frees it (about a 64th of history, at most an eighth of the budget),
+// plus the copies of a load in progress (Load).
 func (s *Store) ApproxBytes() int64 {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return s.liveBytes + int64(s.liveKeys)*keyHistoryBytes(1) + s.shape.tree(s.liveKeys) + s.historyBytesLocked() + s.pendingBytes
+	return s.liveBytes + int64(s.liveKeys)*keyHistoryBytes(1) + s.shape.tree(s.liveKeys) + s.historyBytesLocked() + s.pendingBytes +
+		s.loadingBytes.Load()
 }
 
 // HistoryBytes estimates the memory retained history uses on top of the
