@@ -87,6 +87,10 @@ bench:
 # with auth on: BENCH_E2E_FLAGS=-snapcache.e2e.auth. BenchmarkHistoryMemory
 # (the proxy in the benchmark's process) reports the proxy's heap per
 # retained revision and its heap under a history budget (a few minutes).
+# BenchmarkKeyspaceMemory (the proxy as a process, default flags) reports
+# its live heap per key and its peak resident memory during a cold load,
+# with and without the soft memory limit, e.g. `make bench-e2e
+# BENCH=KeyspaceMemory BENCHTIME=1x BENCH_E2E_FLAGS=-snapcache.e2e.keyspace-keys=100000,1000000`.
 # BenchmarkControlPlane (`make bench-e2e BENCH=ControlPlane`, which builds
 # kube-apiserver too) runs 3 kube-apiservers with their watch caches on in
 # front of etcd and in front of the proxy, under a kube-shaped client-go load

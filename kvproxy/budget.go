@@ -83,6 +83,16 @@ func (s *Server) releaseCached(held int64) {
 	s.budget.release(held)
 }
 
+// CachedReadBytes is the bytes of responses served from the cache that are
+// being built, encoded and sent now (at most --max-cached-read-bytes): heap
+// that is live besides the store's.
+func (s *Server) CachedReadBytes() int64 {
+	if s.budget == nil {
+		return 0
+	}
+	return s.budget.inUse()
+}
+
 // releaseCachedWhenDone gives back held bytes once ctx, a call's context,
 // ends.
 func (s *Server) releaseCachedWhenDone(ctx context.Context, held int64) {

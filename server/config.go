@@ -188,6 +188,14 @@ type Config struct {
 	// progress notifications to idle progress_notify watchers; 0: they
 	// follow etcd's own interval.
 	WatchProgressNotifyInterval time.Duration
+	// MemoryLimit is the Go runtime's soft memory limit (--memory-limit):
+	// a byte count; MemoryLimitAuto, which follows the cache's live
+	// estimate within the cgroup's memory limit (server/memlimit.go);
+	// MemoryLimitCgroup, the cgroup's share alone; or 0: none, the
+	// runtime's default pacing. GOMEMLIMIT in the environment wins over
+	// it. The limit is the process's: of the servers of one process, the
+	// first to start sets it, until it stops.
+	MemoryLimit int64
 
 	// Logger logs the server's work; nil: nothing is logged.
 	Logger *zap.Logger
@@ -236,6 +244,7 @@ func DefaultConfig() Config {
 		CompactionProbeInterval:  progress.DefaultCompactionProbeInterval,
 		LoadPageSize:             progress.DefaultLoadPageSize,
 		MaxRequestBytes:          1.5 * 1024 * 1024, // etcd's
+		MemoryLimit:              MemoryLimitAuto,
 		EnableGRPCGateway:        true,
 	}
 }
@@ -268,6 +277,8 @@ func (cfg *Config) Validate() error {
 		return fmt.Errorf("--load-page-size %d: want at least 1", cfg.LoadPageSize)
 	case cfg.MaxRequestBytes < 1:
 		return fmt.Errorf("--max-request-bytes %d: want at least 1", cfg.MaxRequestBytes)
+	case cfg.MemoryLimit < MemoryLimitCgroup:
+		return fmt.Errorf("--memory-limit %d: want a byte count, auto, or 0 for none", cfg.MemoryLimit)
 	}
 	for _, d := range []struct {
 		flag string

@@ -87,7 +87,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	gs := grpc.NewServer(opts...)
 
 	conn := s.client.ActiveConnection()
-	kvproxy.Register(gs, kvproxy.New(kvproxy.Config{
+	s.kv = kvproxy.New(kvproxy.Config{
 		Store:                  s.store,
 		Follower:               s.follower,
 		Upstream:               pb.NewKVClient(conn),
@@ -100,7 +100,8 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		MaxCachedReadBytes:     s.cfg.MaxCachedReadBytes,
 		Inconsistent:           s.checker.Fallback,
 		Gate:                   s.gate,
-	}))
+	})
+	kvproxy.Register(gs, s.kv)
 	s.watch = watchproxy.New(watchproxy.Config{
 		Store:                  s.store,
 		Follower:               s.follower,

@@ -70,6 +70,7 @@ type Server struct {
 	keepAlives        *keepAlives // anonymous callers' keepalives
 	asProxyKeepAlives *keepAlives // certificate callers', checked, as the proxy
 	watch             *watchproxy.Server
+	kv                *kvproxy.Server
 	// clientDone are closed when goroutines of etcd's grpcproxy that live
 	// as long as the upstream client end, after it is closed.
 	clientDone []<-chan struct{}
@@ -251,6 +252,7 @@ func Start(cfg Config) (*Server, error) {
 		s.run(func() { s.persister.Run(ctx) })
 	}
 	s.run(func() { s.followReadiness(ctx) })
+	s.startMemoryLimit(ctx)
 	ok = true
 	// grpc-proxy's words: tooling (etcd's e2e framework) waits for them.
 	s.lg.Info("started gRPC proxy",

@@ -185,6 +185,17 @@
 //     (go_memstats_heap_alloc_bytes) counts garbage not yet collected, up to
 //     twice the live heap at GOGC=100. The benchmark's own clients keep
 //     little and the same amount before and after what is measured.
+//   - BenchmarkKeyspaceMemory: what the live keyspace costs the proxy
+//     process with default flags, at -snapcache.e2e.keyspace-keys keys
+//     (100000; run it at 100000,1000000) of 1 KiB values
+//     (.keyspace-value), with --memory-limit=0 and with the default soft
+//     limit (.keyspace-modes): the live heap after a forced collection
+//     (the proxy's /debug/pprof/heap?gc=1, then its
+//     go_memstats_heap_alloc_bytes), per key and over the data; the peak
+//     RSS during the cold load (VmHWM once ready); RSS and RssAnon once
+//     the first copy to disk is written and after .keyspace-steady (50,000)
+//     puts, over the live heap then; the limit; etcd's RSS.
+//     .keyspace-profiles saves the proxy's heap profiles.
 //   - BenchmarkRestart: a restart of the proxy process over 100k and 1M
 //     keys of 1 KiB (-snapcache.e2e.restart-keys, .restart-value): the
 //     time from the new process's start to its /readyz, the bytes etcd
@@ -240,7 +251,9 @@
 // BenchmarkControlPlane's -snapcache.e2e.cp-objects, .cp-apiservers,
 // .cp-nodes, .cp-informers, .cp-steady, .cp-settle, .cp-rounds, .cp-rate,
 // .cp-watchlist, .cp-storm-load, .cp-topology, .cp-timeout (and .pprof); BenchmarkHistoryMemory's
-// -snapcache.e2e.keys, .revisions, .value, .budget, .writers; BenchmarkRestart's
+// -snapcache.e2e.keys, .revisions, .value, .budget, .writers; BenchmarkKeyspaceMemory's
+// -snapcache.e2e.keyspace-keys, .keyspace-value, .keyspace-steady,
+// .keyspace-modes, .keyspace-profiles; BenchmarkRestart's
 // -snapcache.e2e.restart-keys, .restart-value; BenchmarkPersistOverhead's
 // -snapcache.e2e.persist-rounds, .persist-keys, .persist-revisions,
 // .persist-reads, .persist-read-clients, .persist-write-rate,

@@ -66,6 +66,8 @@ func TestServeRejectsBadFlags(t *testing.T) {
 		{append(ep, "--namespace", "/tenant/"), "--namespace"},
 		{append(ep, "--experimental-leasing-prefix", "/lease/"), "--experimental-leasing-prefix"},
 		{append(ep, "--max-history-bytes", "-1"), "--max-history-bytes"},
+		{append(ep, "--memory-limit", "lots"), "--memory-limit"},
+		{append(ep, "--memory-limit", "3XB"), "--memory-limit"},
 	} {
 		_, err := run(tc.args...)
 		if err == nil {
@@ -100,6 +102,23 @@ func TestServeTakesEtcdE2EProxyFlags(t *testing.T) {
 	}
 }
 
+// parseServe returns the server configuration `serve args...` makes, and
+// serverConfig's error.
+func parseServe(t *testing.T, args ...string) (server.Config, error) {
+	t.Helper()
+	app := newApp()
+	var cfg server.Config
+	var cfgErr error
+	app.Commands[0].Action = func(c *cli.Context) error {
+		cfg, cfgErr = serverConfig(c, zap.NewNop())
+		return nil
+	}
+	if err := app.Run(append([]string{"etcd-snapcache", "serve"}, args...)); err != nil {
+		t.Fatal(err)
+	}
+	return cfg, cfgErr
+}
+
 // TestServeWithoutEndpoints: no --endpoints is the embedded etcd (make
 // run), whose endpoint is known only once it has started; the rest of the
 // configuration is still checked.
@@ -111,16 +130,7 @@ func TestServeWithoutEndpoints(t *testing.T) {
 		{nil, ""},
 		{[]string{"--btree-degree", "1"}, "--btree-degree"},
 	} {
-		app := newApp()
-		var cfg server.Config
-		var cfgErr error
-		app.Commands[0].Action = func(c *cli.Context) error {
-			cfg, cfgErr = serverConfig(c, zap.NewNop())
-			return nil
-		}
-		if err := app.Run(append([]string{"etcd-snapcache", "serve"}, tc.args...)); err != nil {
-			t.Fatal(err)
-		}
+		cfg, cfgErr := parseServe(t, tc.args...)
 		switch {
 		case tc.wantErr == "" && cfgErr != nil:
 			t.Errorf("%v: %v", tc.args, cfgErr)
@@ -143,19 +153,38 @@ func TestServeMaxHistoryBytes(t *testing.T) {
 		{[]string{"--max-history-bytes", "1048576"}, 1 << 20},
 		{[]string{"--max-history-bytes=0"}, 0},
 	} {
-		app := newApp()
-		var cfg server.Config
-		var cfgErr error
-		app.Commands[0].Action = func(c *cli.Context) error {
-			cfg, cfgErr = serverConfig(c, zap.NewNop())
-			return nil
-		}
-		args := append([]string{"etcd-snapcache", "serve", "--endpoints", "http://127.0.0.1:2379"}, tc.args...)
-		if err := app.Run(args); err != nil || cfgErr != nil {
-			t.Fatalf("%v: %v, %v", tc.args, err, cfgErr)
+		cfg, err := parseServe(t, append([]string{"--endpoints", "http://127.0.0.1:2379"}, tc.args...)...)
+		if err != nil {
+			t.Fatalf("%v: %v", tc.args, err)
 		}
 		if cfg.MaxHistoryBytes != tc.want {
 			t.Errorf("%v: MaxHistoryBytes %d, want %d", tc.args, cfg.MaxHistoryBytes, tc.want)
+		}
+	}
+}
+
+// TestServeMemoryLimit: --memory-limit reaches the server as a byte count
+// (units as Kubernetes and etcd write them); auto and not given, the
+// automatic limit; 0, none.
+func TestServeMemoryLimit(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want int64
+	}{
+		{nil, server.MemoryLimitAuto},
+		{[]string{"--memory-limit=auto"}, server.MemoryLimitAuto},
+		{[]string{"--memory-limit", "3GiB"}, 3 << 30},
+		{[]string{"--memory-limit", "512Mi"}, 512 << 20},
+		{[]string{"--memory-limit", "2G"}, 2e9},
+		{[]string{"--memory-limit", "1073741824"}, 1 << 30},
+		{[]string{"--memory-limit=0"}, 0},
+	} {
+		cfg, err := parseServe(t, append([]string{"--endpoints", "http://127.0.0.1:2379"}, tc.args...)...)
+		if err != nil {
+			t.Fatalf("%v: %v", tc.args, err)
+		}
+		if cfg.MemoryLimit != tc.want {
+			t.Errorf("%v: MemoryLimit %d, want %d", tc.args, cfg.MemoryLimit, tc.want)
 		}
 	}
 }

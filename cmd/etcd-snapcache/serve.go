@@ -24,6 +24,7 @@ import (
 	"go.etcd.io/etcd/server/v3/embed"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/handover"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/persist"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
@@ -145,6 +146,8 @@ func serveCommand() *cli.Command {
 				Usage: "how often the copy on disk is brought up to date (one fsynced bbolt transaction each)"},
 			&cli.BoolFlag{Name: "load-retained-history", Category: catCache,
 				Usage: "at start, replay every revision etcd retains, so historical reads are served from memory right after a restart"},
+			&cli.StringFlag{Name: "memory-limit", Category: catCache, Value: "auto",
+				Usage: "the Go runtime's soft memory limit, bytes or a size such as 3GiB or 512Mi; 'auto' follows the cache's live memory and the cached responses in flight, with headroom (1.25x plus 32MiB, at least 64MiB), within 90% of the cgroup's memory limit; 0: none (the heap grows to twice the live data between collections). GOMEMLIMIT wins when set"},
 		},
 		Action: serve,
 	}
@@ -177,6 +180,11 @@ func serve(c *cli.Context) error {
 	}
 
 	embedded := len(cfg.Endpoints) == 0
+	if embedded && cfg.MemoryLimit == server.MemoryLimitAuto {
+		// The embedded etcd's heap is the process's too: the cache's
+		// estimate does not cover it.
+		cfg.MemoryLimit = server.MemoryLimitCgroup
+	}
 	if embedded {
 		e, err := startEmbedded(lg, server.EmbeddedConfig{
 			Dir:       c.String("data-dir"),
@@ -383,6 +391,9 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 	cfg.LoadPageSize = c.Int64("load-page-size")
 	cfg.MaxRequestBytes = c.Int("max-request-bytes")
 	cfg.WatchProgressNotifyInterval = progressOverride(c)
+	if cfg.MemoryLimit, err = memoryLimit(c.String("memory-limit")); err != nil {
+		return server.Config{}, err
+	}
 	cfg.Logger = lg
 	// Without --endpoints the embedded etcd's endpoint is filled in once
 	// it has started: everything else is validated now.
@@ -394,6 +405,18 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 		return server.Config{}, err
 	}
 	return cfg, nil
+}
+
+// memoryLimit parses --memory-limit: "auto", 0 (none), or a byte size.
+func memoryLimit(v string) (int64, error) {
+	if strings.EqualFold(strings.TrimSpace(v), "auto") {
+		return server.MemoryLimitAuto, nil
+	}
+	n, err := memlimit.ParseSize(v)
+	if err != nil {
+		return 0, fmt.Errorf("--memory-limit: %w (or auto, or 0 for none)", err)
+	}
+	return n, nil
 }
 
 // progressOverride is the periodic progress interval when the flag is

@@ -1,0 +1,137 @@
+package server
+
+import (
+	"context"
+	"math"
+	"os"
+	"runtime/debug"
+	"sync/atomic"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
+)
+
+// The values of Config.MemoryLimit that are not byte counts.
+const (
+	// MemoryLimitAuto follows the store's estimate of its memory
+	// (Store.ApproxBytes: the live keyspace and retained history, and a
+	// load in progress) and the cached responses in flight, with the
+	// headroom of package memlimit, within
+	// 90% of the cgroup's memory limit: --memory-limit=auto.
+	MemoryLimitAuto int64 = -1
+	// MemoryLimitCgroup is 90% of the cgroup's memory limit alone (none
+	// without one), for a process whose heap holds more than the store
+	// (an embedded etcd).
+	MemoryLimitCgroup int64 = -2
+)
+
+// liveEstimate is the heap an automatic limit follows: the store's (its
+// live keyspace, retained history and a load in progress) and the
+// responses from the cache being built and sent, so that a burst of large
+// reads, bounded by --max-cached-read-bytes, raises the limit rather than
+// making the collector run again and again under it.
+func (s *Server) liveEstimate() int64 {
+	n := s.store.ApproxBytes()
+	if s.kv != nil {
+		n += s.kv.CachedReadBytes()
+	}
+	return n
+}
+
+// memoryLimitOwned is set while a server of this process manages the Go
+// runtime's memory limit, which is the process's.
+var memoryLimitOwned atomic.Bool
+
+// startMemoryLimit registers etcd_snapcache_memory_limit_bytes and sets
+// the Go runtime's soft memory limit as Config.MemoryLimit says, unless
+// GOMEMLIMIT is set (the runtime has applied it) or another server of the
+// process manages it; an automatic limit is kept in line with the store on
+// a goroutine of the server until ctx ends, and the limit found at the
+// start is restored then.
+func (s *Server) startMemoryLimit(ctx context.Context) {
+	s.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "etcd_snapcache_memory_limit_bytes",
+		Help: "The Go runtime's soft memory limit (--memory-limit, or GOMEMLIMIT); 0: none.",
+	}, func() float64 {
+		if l := debug.SetMemoryLimit(-1); l != math.MaxInt64 {
+			return float64(l)
+		}
+		return 0
+	}))
+	// The ceiling is what the limit may grow to: the alert on memory
+	// compares the cache with it, not with an automatic limit that
+	// follows the cache.
+	var ceiling atomic.Int64
+	s.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "etcd_snapcache_memory_limit_max_bytes",
+		Help: "The most the Go runtime's soft memory limit may be: a fixed --memory-limit or GOMEMLIMIT, or, with --memory-limit=auto, 90% of the cgroup's memory limit; 0: no bound.",
+	}, func() float64 { return float64(ceiling.Load()) }))
+	if l := debug.SetMemoryLimit(-1); l != math.MaxInt64 {
+		ceiling.Store(l) // GOMEMLIMIT, or another server's
+	}
+	lg := s.lg.Named("memlimit")
+	if s.cfg.MemoryLimit == 0 {
+		lg.Info("no memory limit (--memory-limit=0): the Go runtime's default pacing, which lets the heap grow to twice the live data")
+		return
+	}
+	if env, ok := os.LookupEnv("GOMEMLIMIT"); ok {
+		lg.Info("the memory limit is GOMEMLIMIT's; --memory-limit is not applied", zap.String("GOMEMLIMIT", env))
+		return
+	}
+	if !memoryLimitOwned.CompareAndSwap(false, true) {
+		lg.Info("another server of this process manages the memory limit")
+		return
+	}
+	var p memlimit.Policy
+	mode := "fixed"
+	switch s.cfg.MemoryLimit {
+	case MemoryLimitAuto, MemoryLimitCgroup:
+		mode, p.FollowLive = "auto", s.cfg.MemoryLimit == MemoryLimitAuto
+		if !p.FollowLive {
+			mode = "cgroup"
+		}
+		cg, err := memlimit.CgroupLimit()
+		if err != nil {
+			lg.Debug("no cgroup memory limit read", zap.Error(err))
+		}
+		p.Cgroup = cg
+	default:
+		p.Fixed = s.cfg.MemoryLimit
+	}
+	t := &memlimit.Tracker{
+		Policy: p,
+		Live:   s.liveEstimate,
+		Set: func(l int64) {
+			if l <= 0 {
+				l = math.MaxInt64 // none; never a limit of 0
+			}
+			debug.SetMemoryLimit(l)
+		},
+		Changed: func(l, prev int64) {
+			lg.Debug("memory limit moved", zap.Int64("memory-limit-bytes", l), zap.Int64("previous-bytes", prev))
+		},
+	}
+	ceiling.Store(p.Ceiling())
+	fields := []zap.Field{zap.String("mode", mode), zap.Int64("cgroup-limit-bytes", p.Cgroup)}
+	if p.Limit(s.liveEstimate()) == 0 {
+		lg.Info("no memory limit: no cgroup memory limit", fields...)
+		memoryLimitOwned.Store(false)
+		return
+	}
+	found := debug.SetMemoryLimit(-1)
+	initial := t.Start()
+	fields = append(fields, zap.String("memory-limit", memlimit.FormatSize(initial)), zap.Int64("memory-limit-bytes", initial))
+	if p.FollowLive {
+		lg.Info("memory limit set; it follows the cache's memory estimate", append(fields,
+			zap.Float64("headroom", memlimit.Headroom), zap.String("floor", memlimit.FormatSize(memlimit.Floor)))...)
+	} else {
+		lg.Info("memory limit set", fields...)
+	}
+	s.run(func() {
+		defer memoryLimitOwned.Store(false)
+		defer debug.SetMemoryLimit(found)
+		t.Run(ctx)
+	})
+}

@@ -1,0 +1,121 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"os"
+	"runtime/debug"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
+	"github.com/etcd-snapcache/etcd-snapcache/revtree"
+)
+
+// memoryLimitServer is what startMemoryLimit needs of a server.
+func memoryLimitServer(limit int64) *Server {
+	return &Server{
+		cfg:      Config{MemoryLimit: limit},
+		lg:       zap.NewNop(),
+		registry: prometheus.NewRegistry(),
+		store:    revtree.New(revtree.DefaultDegree),
+	}
+}
+
+func limitMetric(t *testing.T, s *Server) int64 {
+	t.Helper()
+	mfs, err := s.registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "etcd_snapcache_memory_limit_bytes" && len(mf.GetMetric()) == 1 {
+			return int64(mf.GetMetric()[0].GetGauge().GetValue())
+		}
+	}
+	t.Fatal("no etcd_snapcache_memory_limit_bytes")
+	return 0
+}
+
+// TestMemoryLimitAuto: an automatic limit is set from the store's
+// estimate (at least the floor), follows the store as it grows, is
+// exported, is managed by one server of the process at a time, and is
+// restored to what it was when the server stops.
+func TestMemoryLimitAuto(t *testing.T) {
+	if _, ok := os.LookupEnv("GOMEMLIMIT"); ok {
+		t.Skip("GOMEMLIMIT is set: the runtime's limit is the environment's")
+	}
+	before := debug.SetMemoryLimit(-1)
+	s := memoryLimitServer(MemoryLimitAuto)
+	ctx, cancel := context.WithCancel(context.Background())
+	s.startMemoryLimit(ctx)
+	first := debug.SetMemoryLimit(-1)
+	cg, _ := memlimit.CgroupLimit()
+	want := memlimit.Policy{FollowLive: true, Cgroup: cg}
+	if first != want.Limit(0) {
+		t.Fatalf("limit %d for an empty store, want %d", first, want.Limit(0))
+	}
+	if got := limitMetric(t, s); got != first {
+		t.Fatalf("metric %d, limit %d", got, first)
+	}
+
+	// Another server of the process leaves it alone.
+	other := memoryLimitServer(1 << 40)
+	other.startMemoryLimit(ctx)
+	if got := debug.SetMemoryLimit(-1); got != first {
+		t.Fatalf("a second server moved the limit to %d", got)
+	}
+
+	// The store grows: the limit follows (unless a cgroup caps it).
+	kvs := make([]*mvccpb.KeyValue, 0, 20_000)
+	for i := range cap(kvs) {
+		kvs = append(kvs, &mvccpb.KeyValue{Key: fmt.Appendf(nil, "/k/%06d", i), Value: make([]byte, 4096), CreateRevision: 2, ModRevision: 2, Version: 1})
+	}
+	s.store.Reset(2, kvs, 0)
+	if grown := want.Limit(s.store.ApproxBytes()); grown != first {
+		testsupport.WaitFor(t, 10*time.Second, "the limit to follow the store", func() bool {
+			return debug.SetMemoryLimit(-1) == grown
+		})
+	}
+	cancel()
+	s.wg.Wait()
+	other.wg.Wait()
+	if got := debug.SetMemoryLimit(-1); got != before {
+		t.Fatalf("limit %d after the server stopped, want the %d it found", got, before)
+	}
+}
+
+// TestMemoryLimitFixedAndOff: a fixed limit is set as given; 0 sets none
+// and exports 0 (with no limit in the process).
+func TestMemoryLimitFixedAndOff(t *testing.T) {
+	if _, ok := os.LookupEnv("GOMEMLIMIT"); ok {
+		t.Skip("GOMEMLIMIT is set: the runtime's limit is the environment's")
+	}
+	before := debug.SetMemoryLimit(-1)
+	s := memoryLimitServer(3 << 30)
+	ctx, cancel := context.WithCancel(context.Background())
+	s.startMemoryLimit(ctx)
+	if got := debug.SetMemoryLimit(-1); got != 3<<30 {
+		t.Fatalf("limit %d, want 3 GiB", got)
+	}
+	cancel()
+	s.wg.Wait()
+
+	off := memoryLimitServer(0)
+	off.startMemoryLimit(context.Background())
+	if got := debug.SetMemoryLimit(-1); got != before {
+		t.Fatalf("--memory-limit=0 moved the limit to %d", got)
+	}
+	if before == math.MaxInt64 {
+		if got := limitMetric(t, off); got != 0 {
+			t.Fatalf("metric %d without a limit, want 0", got)
+		}
+	}
+}
