@@ -84,7 +84,11 @@ bench:
 # (with `make tools-kube`) kube-apiserver LISTs, each proxy vs etcd in
 # alternating rounds (SUMMARY lines; bench/e2e/doc.go), e.g.
 # `make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical' BENCHTIME=1x`,
-# with auth on: BENCH_E2E_FLAGS=-snapcache.e2e.auth. BenchmarkHistoryMemory
+# with auth on: BENCH_E2E_FLAGS=-snapcache.e2e.auth; with mTLS on every hop
+# (etcd and the proxy serving it with --client-cert-auth, the proxy, the load
+# and kube-apiserver presenting client certificates; ControlPlane's too):
+# BENCH_E2E_FLAGS=-snapcache.e2e.tls, whose SUMMARY lines name the benchmark
+# with /tls (both flags may be given). BenchmarkHistoryMemory
 # (the proxy in the benchmark's process) reports the proxy's heap per
 # retained revision and its heap under a history budget (a few minutes).
 # BenchmarkKeyspaceMemory (the proxy as a process, default flags) reports

@@ -31,6 +31,7 @@ var (
 	cmpMaxOps  = flag.Int64("snapcache.e2e.maxops", 1_000_000, "most ops of a closed-loop round")
 	cmpConns   = flag.Int("snapcache.e2e.conns", 4, "gRPC connections (clientv3 clients) per side that the closed-loop goroutines share round-robin")
 	cmpAuth    = flag.Bool("snapcache.e2e.auth", false, "etcd with auth enabled: the proxy runs as root, the load authenticates as a user with read-write access to /registry/")
+	cmpTLS     = flag.Bool("snapcache.e2e.tls", false, "mTLS on every hop, as production runs: etcd and the proxy serve TLS and require client certificates of one CA (--client-cert-auth); the proxy reaches etcd, and the load and the kube-apiservers reach either, with a client certificate that names no user")
 	cmpTimeout = flag.Duration("snapcache.e2e.op-timeout", time.Minute, "timeout of one op (a round fails past it)")
 	cmpPprof   = flag.Bool("snapcache.e2e.pprof", false, "serve etcd's and the proxy's /debug/pprof/ and log where, to profile them while a benchmark runs")
 )
@@ -53,6 +54,10 @@ type pairEnv struct {
 	proxyS *side
 	auth   bool
 	tls    *tls.Config // what the load presents to etcd and the proxy; nil: plaintext
+	pki    *mtlsPKI    // the certificates, with tls; else nil
+	// proxyArgs are the flags the proxy runs with beyond startProxyProcess's
+	// own: serving mTLS and reaching etcd over it, as root with auth, pprof.
+	proxyArgs []string
 }
 
 // side is one path the load takes: direct to etcd, or through the proxy.
@@ -86,34 +91,68 @@ func dial(tb testing.TB, endpoint string, tlsCfg *tls.Config, user, password str
 }
 
 // newPairEnv starts etcd, then (with -snapcache.e2e.auth, after enabling
-// auth) the proxy in front of it, and the load's connections to each. The
-// proxy starts before any data is written, so that it holds every revision
-// the benchmarks read from memory.
+// auth) the proxy in front of it, and the load's connections to each; with
+// -snapcache.e2e.tls, every hop is mTLS. The proxy starts before any data
+// is written, so that it holds every revision the benchmarks read from
+// memory.
 func newPairEnv(b *testing.B) *pairEnv {
 	b.Helper()
-	var etcdArgs, proxyArgs []string
+	return startPair(b, *cmpAuth, *cmpTLS)
+}
+
+// startPair is newPairEnv with auth on or off, and over mTLS (secure) or
+// plaintext. With mTLS, etcd and the proxy serve TLS with
+// --client-cert-auth and a CA they trust (mtlsPKI), the proxy reaches etcd
+// with a client certificate that names no user, and the load presents one
+// too. With auth, etcd has root and benchUser (setUpAuth, then authSteps
+// before auth is enabled), the proxy runs as root (--user) and the load
+// authenticates as benchUser.
+func startPair(b *testing.B, auth, secure bool, authSteps ...func(context.Context, *clientv3.Client) error) *pairEnv {
+	b.Helper()
+	var etcdArgs []string
+	env := &pairEnv{auth: auth}
 	if *cmpPprof {
-		etcdArgs, proxyArgs = []string{"--enable-pprof"}, []string{"--enable-pprof"}
+		etcdArgs, env.proxyArgs = []string{"--enable-pprof"}, []string{"--enable-pprof"}
 	}
-	env := &pairEnv{etcd: startEtcd(b, etcdArgs...), auth: *cmpAuth}
+	if secure {
+		env.pki = newMTLSPKI(b)
+		env.tls = env.pki.clientTLS(b)
+		etcdArgs = append(etcdArgs, env.pki.serving("etcd")...)
+		env.proxyArgs = append(append(env.proxyArgs, env.pki.serving("proxy")...), env.pki.upstream()...)
+	}
+	env.etcd = startEtcdTLS(b, env.tls, etcdArgs...)
 	user, password := "", ""
 	if env.auth {
-		setUpAuth(b, env.etcd.endpoint, nil)
-		proxyArgs = append(proxyArgs, "--user=root", "--password="+rootPassword)
+		setUpAuth(b, env.etcd.endpoint, env.tls, authSteps...)
+		env.proxyArgs = append(env.proxyArgs, "--user=root", "--password="+rootPassword)
 		user, password = benchUser, benchPassword
-		env.loader = dial(b, env.etcd.endpoint, nil, "root", rootPassword)
+		env.loader = dial(b, env.etcd.endpoint, env.tls, "root", rootPassword)
 	} else {
-		env.loader = dial(b, env.etcd.endpoint, nil, "", "")
+		env.loader = dial(b, env.etcd.endpoint, env.tls, "", "")
 	}
-	env.proxy = startProxyProcess(b, env.etcd.endpoint, proxyArgs...)
+	env.proxy = env.startProxy(b)
 	if *cmpPprof {
 		// Printed at once: a benchmark's log comes out when it ends.
-		fmt.Printf("PPROF %s: etcd %s/debug/pprof/, proxy %s/debug/pprof/\n", b.Name(), env.etcd.endpoint, env.proxy.endpoint)
+		how := ""
+		if env.pki != nil {
+			how = " (mTLS: go tool pprof " + env.pki.pprofFlags() + ")"
+		}
+		fmt.Printf("PPROF %s: etcd %s/debug/pprof/, proxy %s/debug/pprof/%s\n", b.Name(), env.etcd.endpoint, env.proxy.endpoint, how)
 	}
 	env.etcdS = env.newSide(b, "etcd", env.etcd.endpoint, user, password)
 	env.proxyS = env.newSide(b, "proxy", env.proxy.endpoint, user, password)
 	return env
 }
+
+// startProxy starts a proxy process in front of env's etcd with the
+// pair's flags (env.proxyArgs), then extra.
+func (env *pairEnv) startProxy(b *testing.B, extra ...string) *proxyProcess {
+	b.Helper()
+	return startProxyProcessTLS(b, env.etcd.endpoint, env.tls != nil, append(slices.Clone(env.proxyArgs), extra...)...)
+}
+
+// summaryName is b's name as its SUMMARY lines give it ("/tls" if mTLS).
+func (env *pairEnv) summaryName(b *testing.B) string { return summaryName(b, env.tls != nil) }
 
 func (env *pairEnv) newSide(b *testing.B, name, endpoint, user, password string) *side {
 	s := &side{name: name, endpoint: endpoint, env: env}
@@ -390,7 +429,7 @@ func report(b *testing.B, env *pairEnv, unit string, er, pr []round) {
 	if env.auth {
 		auth = " (auth on)"
 	}
-	fmt.Fprintf(&sb, "SUMMARY %s%s: proxy/etcd %.2fx %ss/s (per round %s)\n", b.Name(), auth, ratio, unit, fmtList(ratios, "%.2f"))
+	fmt.Fprintf(&sb, "SUMMARY %s%s: proxy/etcd %.2fx %ss/s (per round %s)\n", env.summaryName(b), auth, ratio, unit, fmtList(ratios, "%.2f"))
 	fmt.Fprintf(&sb, "SUMMARY   etcd : %10.1f %ss/s (rounds %s)  cpu %.1f µs/%s  allocs %.1f/%s  etcd KV requests %.3f/%s  [load generator cpu %.1f µs/%s]\n",
 		e.opsSec, unit, fmtList(e.perRound, "%.1f"), e.cpuPerOp, unit, e.allocsOp, unit, e.etcdKV/e.ops, unit, e.cliOp, unit)
 	cache := ""

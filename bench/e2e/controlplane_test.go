@@ -72,7 +72,10 @@ var cpPhases = []string{"start-storm", "steady", "restart-all", "restart-one", "
 // kube-apiserver's request latency per verb, its 5xx and 429 answers and
 // what its logs say (errors, relists, too large or too old resource
 // versions, timeouts); the informers' event delay, lists, watches and
-// errors; the load's ops and errors.
+// errors; the load's ops and errors. With -snapcache.e2e.tls, every hop
+// to etcd and the proxies is mTLS: the kube-apiservers reach their storage
+// with --etcd-cafile, --etcd-certfile and --etcd-keyfile (a certificate
+// that names no user), and the proxies reach their upstream likewise.
 func BenchmarkControlPlane(b *testing.B) {
 	bin := kubeAPIServerBinary()
 	if bin == "" {
@@ -99,6 +102,8 @@ func BenchmarkControlPlane(b *testing.B) {
 // the load.
 type controlPlane struct {
 	etcd    *etcdProcess
+	pki     *mtlsPKI        // with -snapcache.e2e.tls: every hop is mTLS; else nil
+	tls     *tls.Config     // what the benchmark's own clients present (with pki)
 	proxies []*proxyProcess // started once the data is in, and kept running; the inner one first
 	front   []*proxyProcess // the proxy each kube-apiserver is in front of, by index
 	loader  *clientv3.Client
@@ -128,8 +133,18 @@ func newControlPlane(b *testing.B, kubeBin, loadBin string) *controlPlane {
 		}
 		cp.profDir = d
 	}
-	cp.etcd = startEtcd(b, etcdArgs...)
-	cp.loader = dial(b, cp.etcd.endpoint, nil, "", "")
+	var kubeTLS []string
+	if *cmpTLS {
+		// etcd and the proxies serve mTLS; the proxies reach their
+		// upstream, and the kube-apiservers their storage, with a client
+		// certificate that names no user.
+		cp.pki = newMTLSPKI(b)
+		cp.tls = cp.pki.clientTLS(b)
+		etcdArgs = append(etcdArgs, cp.pki.serving("etcd")...)
+		kubeTLS = cp.pki.kubeEtcd("anonymous")
+	}
+	cp.etcd = startEtcdTLS(b, cp.tls, etcdArgs...)
+	cp.loader = dial(b, cp.etcd.endpoint, cp.tls, "", "")
 	cp.uts = exec.Command("unshare", "--uts", "--", "/bin/sh", "-c", "hostname kube-apiserver").Run() == nil
 	if !cp.uts {
 		b.Logf("no UTS namespaces (unshare --uts): the kube-apiservers share a hostname, so an identity Lease, and log errors about it")
@@ -151,7 +166,7 @@ func newControlPlane(b *testing.B, kubeBin, loadBin string) *controlPlane {
 		}
 		cp.kubes = append(cp.kubes, &cpKube{idx: i, dir: dir, port: port, bin: kubeBin, token: cp.token,
 			// --v=1: the cacher's forced watcher closes too.
-			args: append(args, "--v=1")})
+			args: append(append(args, "--v=1"), kubeTLS...)})
 	}
 	cp.sampler = startSampler(b, cp)
 	return cp
@@ -253,14 +268,20 @@ func (cp *controlPlane) populate(b *testing.B) {
 	cp.startProxies(b, head)
 }
 
-// proxyArgs are the flags every proxy of the control plane runs with: at
-// log level info, whose lines say which process a handover went to.
-func (cp *controlPlane) proxyArgs() []string {
+// startProxy starts a proxy in front of upstream (etcd, or the inner
+// proxy) with the flags every proxy of the control plane runs with: at log
+// level info, whose lines say which process a handover went to; with
+// -snapcache.e2e.tls, serving mTLS and reaching upstream over mTLS.
+func (cp *controlPlane) startProxy(b *testing.B, upstream string) *proxyProcess {
+	b.Helper()
 	args := []string{"--log-level=info"}
 	if *cmpPprof {
 		args = append(args, "--enable-pprof")
 	}
-	return args
+	if cp.pki != nil {
+		args = append(append(args, cp.pki.serving("proxy")...), cp.pki.upstream()...)
+	}
+	return startProxyProcessTLS(b, upstream, cp.pki != nil, args...)
 }
 
 // startProxies starts the proxies of -snapcache.e2e.cp-topology, each once
@@ -269,23 +290,23 @@ func (cp *controlPlane) startProxies(b *testing.B, head int64) {
 	b.Helper()
 	switch *cpTopology {
 	case "shared":
-		p := startProxyProcess(b, cp.etcd.endpoint, cp.proxyArgs()...)
+		p := cp.startProxy(b, cp.etcd.endpoint)
 		cp.proxies = []*proxyProcess{p}
 		for range cp.kubes {
 			cp.front = append(cp.front, p)
 		}
 	case "sidecar":
 		for range cp.kubes {
-			p := startProxyProcess(b, cp.etcd.endpoint, cp.proxyArgs()...)
+			p := cp.startProxy(b, cp.etcd.endpoint)
 			cp.proxies = append(cp.proxies, p)
 			cp.front = append(cp.front, p)
 		}
 	case "tiered":
-		inner := startProxyProcess(b, cp.etcd.endpoint, cp.proxyArgs()...)
+		inner := cp.startProxy(b, cp.etcd.endpoint)
 		cp.proxies = []*proxyProcess{inner}
 		cp.waitProxies(b, head)
 		for range cp.kubes {
-			p := startProxyProcess(b, inner.endpoint, cp.proxyArgs()...)
+			p := cp.startProxy(b, inner.endpoint)
 			cp.proxies = append(cp.proxies, p)
 			cp.front = append(cp.front, p)
 		}

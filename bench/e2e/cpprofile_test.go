@@ -57,7 +57,7 @@ func (cp *controlPlane) startProfile(b *testing.B, proc, url, side, phase string
 	name := fmt.Sprintf("%s-%s-%d-%s.pprof", proc, side, round, phase)
 	go func() {
 		defer close(r.done)
-		r.p.path, r.p.err = fetchProfile(url, filepath.Join(cp.profDir, name), secs)
+		r.p.path, r.p.err = fetchProfile(httpClient(cp.tls), url, filepath.Join(cp.profDir, name), secs)
 	}()
 	b.Cleanup(func() { <-r.done })
 	return r
@@ -108,15 +108,15 @@ func (cp *controlPlane) waitStormProfile(r *profileRun) {
 }
 
 // fetchProfile saves the /debug/pprof/profile of secs seconds served at
-// url as path.
-func fetchProfile(url, path string, secs int) (string, error) {
+// url as path, fetched with hc.
+func fetchProfile(hc *http.Client, url, path string, secs int) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(secs+30)*time.Second)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, "GET", fmt.Sprintf("%s/debug/pprof/profile?seconds=%d", url, secs), nil)
 	if err != nil {
 		return "", err
 	}
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := hc.Do(req)
 	if err != nil {
 		return "", err
 	}

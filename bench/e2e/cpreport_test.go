@@ -106,14 +106,16 @@ func (a *cpAgg) proxyCPUps() float64 { return a.proxyCPU / a.secs }
 // key numbers as metrics.
 func (cp *controlPlane) report(b *testing.B, results []cpPhase) {
 	b.ReportMetric(0, "ns/op") // a run is fixed phases, not b.N ops
+	bname := summaryName(b, cp.pki != nil)
 	var sb strings.Builder
 	shared := ""
 	if !cp.uts {
 		shared = ", sharing a hostname"
 	}
-	fmt.Fprintf(&sb, "SUMMARY %s setup: %d kube-apiservers (watch cache on%s), %d nodes, %d informer clients per kube-apiserver%s, load rate x%g (%s), proxy topology %s (%s), %d round(s); %s\n",
-		b.Name(), len(cp.kubes), shared, *cpNodes, *cpInformers, map[bool]string{true: " (watch-list)"}[*cpWatchList], *cpRate,
-		map[bool]string{true: "on in every phase", false: "paused in start-storm and restart-all"}[*cpStormLoad], *cpTopology, cp.proxiesDesc(), *cpRounds, cp.setup)
+	fmt.Fprintf(&sb, "SUMMARY %s setup: %d kube-apiservers (watch cache on%s), %d nodes, %d informer clients per kube-apiserver%s, load rate x%g (%s), proxy topology %s (%s), %s to etcd and the proxies, %d round(s); %s\n",
+		bname, len(cp.kubes), shared, *cpNodes, *cpInformers, map[bool]string{true: " (watch-list)"}[*cpWatchList], *cpRate,
+		map[bool]string{true: "on in every phase", false: "paused in start-storm and restart-all"}[*cpStormLoad], *cpTopology, cp.proxiesDesc(),
+		map[bool]string{true: "mTLS", false: "plaintext"}[cp.pki != nil], *cpRounds, cp.setup)
 	for _, name := range cpPhases {
 		sides := map[string]*cpAgg{}
 		for _, side := range []string{"direct", "proxy"} {
@@ -135,14 +137,14 @@ func (cp *controlPlane) report(b *testing.B, results []cpPhase) {
 			// A phase of the proxy side alone: its cost in all, and
 			// beside direct's steady state.
 			fmt.Fprintf(&sb, "SUMMARY %s/%s: proxy side only: etcd cpu %.3f s/s, %.1f s in all  etcd peak rss %.0f MiB  etcd watchers %.0f  (took %.1fs)\n",
-				b.Name(), name, p.etcdCPUps(), p.etcdCPU/float64(p.rounds), inMiB(p.etcdPeak), p.watchers, p.secs/float64(p.rounds))
+				bname, name, p.etcdCPUps(), p.etcdCPU/float64(p.rounds), inMiB(p.etcdPeak), p.watchers, p.secs/float64(p.rounds))
 			b.ReportMetric(p.etcdCPUps(), name+"-proxy-etcd-cpu-s/s")
 			b.ReportMetric(inMiB(p.etcdPeak), name+"-proxy-etcd-peak-MiB")
 		default:
 			cpuRatio := p.etcdCPUps() / d.etcdCPUps()
 			peakRatio := float64(p.etcdPeak) / float64(d.etcdPeak)
 			fmt.Fprintf(&sb, "SUMMARY %s/%s: etcd cpu proxy/direct %.2fx (%.3f vs %.3f s/s; %.1f vs %.1f s in all)  etcd peak rss proxy/direct %.2fx  etcd watchers %.0f vs %.0f  (took %.1fs vs %.1fs)\n",
-				b.Name(), name, cpuRatio, p.etcdCPUps(), d.etcdCPUps(), p.etcdCPU/float64(p.rounds), d.etcdCPU/float64(d.rounds), peakRatio, p.watchers, d.watchers, p.secs/float64(p.rounds), d.secs/float64(d.rounds))
+				bname, name, cpuRatio, p.etcdCPUps(), d.etcdCPUps(), p.etcdCPU/float64(p.rounds), d.etcdCPU/float64(d.rounds), peakRatio, p.watchers, d.watchers, p.secs/float64(p.rounds), d.secs/float64(d.rounds))
 			short := strings.TrimPrefix(name, "start-")
 			b.ReportMetric(cpuRatio, short+"-etcd-cpu-proxy/direct")
 			b.ReportMetric(d.etcdCPUps(), short+"-direct-etcd-cpu-s/s")

@@ -235,22 +235,52 @@
 // so etcd and the proxy serve mTLS with --client-cert-auth, kube-apiserver
 // presents a certificate for the user kube-apiserver (read-write on
 // /registry/, read on compact_rev_key), and the proxy reaches etcd with a
-// certificate that names no user, as root by password (newKubeAuthEnv).
+// certificate that names no user, as root by password (newKubeEnv).
+//
+// With -snapcache.e2e.tls, every hop is mTLS, as production runs it: one
+// CA (internal/testsupport's PKI, WriteKubeEtcdPKI's files); etcd serves
+// TLS with its certificate for 127.0.0.1, --client-cert-auth and the CA
+// trusted; the proxy serves mTLS the same way (--cert-file, --key-file,
+// --trusted-ca-file, --client-cert-auth) and reaches etcd with a client
+// certificate that names no user (--cacert, --cert, --key); the load
+// presents a client certificate without a common name to each side, and
+// so do the kube-apiservers of BenchmarkKubeList and BenchmarkControlPlane
+// (--etcd-cafile, --etcd-certfile, --etcd-keyfile; to the proxies and to
+// etcd), the proxies of its sidecar and tiered topologies to their
+// upstream too. It applies to the throughput benchmarks (newPairEnv, and
+// BenchmarkWatchFanout's watch connections), BenchmarkKubeList,
+// BenchmarkControlPlane and BenchmarkPersistOverhead (both proxies); the
+// memory and restart benchmarks stay plaintext. With -snapcache.e2e.auth
+// as well, etcd has auth on and the proxy runs as root, as above. The
+// metrics are still read in plaintext (etcd's on a --listen-metrics-urls
+// port of their own, the proxy's on --metrics-addr); with
+// -snapcache.e2e.pprof, /debug/pprof/ is on the client ports, over mTLS
+// (the PPROF line gives `go tool pprof`'s -tls_* flags). The SUMMARY
+// lines of an mTLS run name the benchmark with "/tls" (e.g. "SUMMARY
+// BenchmarkLinearizableGet/tls: proxy/etcd ..."; BenchmarkKubeList's auth
+// runs too, mTLS either way), and a benchmark run starts with a
+// configuration line of Go's benchmark format, "transport: tls" or
+// "transport: plaintext" (benchstat -col transport), so that a plaintext
+// run and an mTLS run put side by side give the ratios and etcd's CPU per
+// op over each.
 //
 // Run (after -args, or in BENCH_E2E_FLAGS for make):
 //
 //	make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical|KubeList' BENCHTIME=1x
 //	make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical|KubeList' BENCHTIME=1x BENCH_E2E_FLAGS=-snapcache.e2e.auth
+//	make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical|KubeList' BENCHTIME=1x BENCH_E2E_FLAGS=-snapcache.e2e.tls
 //	make bench-e2e BENCH=ControlPlane
+//	make bench-e2e BENCH=ControlPlane BENCH_E2E_FLAGS=-snapcache.e2e.tls
 //
 // Flags: the throughput benchmarks' -snapcache.e2e.rounds, .round,
-// .maxops, .conns, .op-timeout, .auth, .get-clients, .get-keys,
+// .maxops, .conns, .op-timeout, .auth, .tls, .get-clients, .get-keys,
 // .range-keys, .range-updates, .range-clients, .page, .watchers,
 // .watch-conns, .watch-puts, .watch-keys, .watch-value, .watch-timeout,
 // .kube-objects, .kube-value, .kube-clients, .kube-page;
 // BenchmarkControlPlane's -snapcache.e2e.cp-objects, .cp-apiservers,
 // .cp-nodes, .cp-informers, .cp-steady, .cp-settle, .cp-rounds, .cp-rate,
-// .cp-watchlist, .cp-storm-load, .cp-topology, .cp-timeout (and .pprof); BenchmarkHistoryMemory's
+// .cp-watchlist, .cp-storm-load, .cp-topology, .cp-timeout (and .pprof,
+// .tls); BenchmarkHistoryMemory's
 // -snapcache.e2e.keys, .revisions, .value, .budget, .writers; BenchmarkKeyspaceMemory's
 // -snapcache.e2e.keyspace-keys, .keyspace-value, .keyspace-steady,
 // .keyspace-modes, .keyspace-profiles; BenchmarkRestart's
@@ -258,7 +288,7 @@
 // -snapcache.e2e.persist-rounds, .persist-keys, .persist-revisions,
 // .persist-reads, .persist-read-clients, .persist-write-rate,
 // .persist-watchers, .persist-watch-puts (and .conns, .watch-timeout,
-// .auth, .pprof). $ETCD_BIN
+// .auth, .tls, .pprof). $ETCD_BIN
 // overrides the etcd binary, $SNAPCACHE_BIN the proxy's,
 // $KUBE_APISERVER_BIN kube-apiserver's, $KUBELOAD_BIN the load
 // generator's.

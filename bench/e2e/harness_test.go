@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"crypto/tls"
+	"flag"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -25,8 +26,17 @@ import (
 )
 
 // Every goroutine a benchmark starts, the in-process proxy's included,
-// must be gone when it ends.
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// must be gone when it ends. A benchmark run first says its transport in
+// a configuration line of Go's benchmark format ("transport: tls" or
+// "transport: plaintext", -snapcache.e2e.tls), which benchstat keeps
+// apart (-col transport): plaintext and mTLS runs side by side.
+func TestMain(m *testing.M) {
+	flag.Parse()
+	if f := flag.Lookup("test.bench"); f != nil && f.Value.String() != "" {
+		fmt.Printf("transport: %s\n", transportName(*cmpTLS))
+	}
+	goleak.VerifyTestMain(m)
+}
 
 // startTimeout bounds the wait for etcd to serve, and stopTimeout for it to
 // exit after SIGTERM.

@@ -138,21 +138,16 @@ func (k *kubeProcess) list(ctx context.Context, limit int) (int, error) {
 // values, each round reports etcd-cpu-ms and kube-cpu-ms: the CPU time
 // etcd and the kube-apiserver spent per LIST (from /proc/<pid>/stat).
 // Skipped without a kube-apiserver binary (`make tools-kube`). With
-// -snapcache.e2e.auth, every hop is mTLS and etcd has auth on, as in
-// clusters that enable etcd's RBAC (newKubeAuthEnv).
+// -snapcache.e2e.tls, every hop is mTLS, kube-apiserver's to etcd or the
+// proxy too; with -snapcache.e2e.auth, every hop is mTLS and etcd has auth
+// on, as in clusters that enable etcd's RBAC (newKubeEnv).
 func BenchmarkKubeList(b *testing.B) {
 	bin := kubeAPIServerBinary()
 	if bin == "" {
 		b.Skip("no kube-apiserver binary: build it with `make tools-kube` (tools/build.sh kube), or set $KUBE_APISERVER_BIN")
 	}
 	start := time.Now()
-	var env *pairEnv
-	var kubeTLS []string
-	if *cmpAuth {
-		env, kubeTLS = newKubeAuthEnv(b)
-	} else {
-		env = newPairEnv(b)
-	}
+	env, kubeTLS := newKubeEnv(b)
 	kubes := map[*side]*kubeProcess{
 		env.etcdS:  startKube(b, "kube-apiserver-etcd", bin, env.etcd.endpoint, kubeTLS...),
 		env.proxyS: startKube(b, "kube-apiserver-proxy", bin, env.proxy.endpoint, kubeTLS...),
@@ -204,8 +199,8 @@ feed:
 			b.Fatalf("%s's kube-apiserver lists %d ConfigMaps (%v), want %d", s.name, n, err, *kubeObjects)
 		}
 	}
-	b.Logf("setup: 2 kube-apiservers (--watch-cache=false), %d ConfigMaps of %d B; took %v",
-		*kubeObjects, *kubeValue, time.Since(start).Round(time.Millisecond))
+	b.Logf("setup: 2 kube-apiservers (--watch-cache=false), %d ConfigMaps of %d B, auth %v, transport %s; took %v",
+		*kubeObjects, *kubeValue, env.auth, transportName(env.tls != nil), time.Since(start).Round(time.Millisecond))
 
 	for _, tc := range []struct {
 		name  string
@@ -235,50 +230,41 @@ feed:
 	}
 }
 
-// newKubeAuthEnv is newPairEnv for kube-apiserver with etcd's auth on,
-// which kube-apiserver reaches only by client certificate (it sends no
-// password): etcd serves mTLS with --client-cert-auth and has auth
-// enabled, with root and a kube-apiserver user (no password) whose role
-// reads and writes /registry/ and reads compact_rev_key (what it needs:
-// integration/clients' kubeAPIServerPerms); the proxy serves mTLS with
-// --client-cert-auth too, reaches etcd with a certificate that names no
-// user, and is root (--user) for its own load and watch. It returns the
-// env and kube-apiserver's --etcd-* certificate flags (CN
-// kube-apiserver). The load's own clients are root over mTLS.
-func newKubeAuthEnv(b *testing.B) (*pairEnv, []string) {
+// newKubeEnv is BenchmarkKubeList's pair (startPair) and kube-apiserver's
+// --etcd-* flags for it. With -snapcache.e2e.tls alone, kube-apiserver
+// presents a certificate that names no user. With -snapcache.e2e.auth it
+// runs as clusters that enable etcd's RBAC: kube-apiserver authenticates by
+// client certificate only (it sends no password), so every hop is mTLS,
+// with -snapcache.e2e.tls or without; etcd has a kube-apiserver user (no
+// password) whose role reads and writes /registry/ and reads
+// compact_rev_key (what it needs: integration/clients'
+// kubeAPIServerPerms), and kube-apiserver's certificate names it (CN
+// kube-apiserver); the proxy, --client-cert-auth as etcd, takes it for
+// that user, and is root (--user) for its own load and watch.
+func newKubeEnv(b *testing.B) (*pairEnv, []string) {
 	b.Helper()
-	pki, file := testsupport.WriteKubeEtcdPKI(b, b.TempDir())
-	serving := func(name string) []string {
-		return []string{"--cert-file=" + file(name+".crt"), "--key-file=" + file(name+".key"), "--trusted-ca-file=" + file("ca.crt"), "--client-cert-auth"}
+	if !*cmpAuth {
+		env := newPairEnv(b)
+		if env.pki == nil {
+			return env, nil
+		}
+		return env, env.pki.kubeEtcd("anonymous")
 	}
-	env := &pairEnv{auth: true, tls: pki.ClientTLS(b, "")}
-	env.etcd = startEtcdTLS(b, env.tls, serving("etcd")...)
-	setUpAuth(b, env.etcd.endpoint, env.tls,
-		func(ctx context.Context, admin *clientv3.Client) error {
-			if _, err := admin.RoleAdd(ctx, "kube-apiserver"); err != nil {
-				return err
-			}
-			if _, err := admin.RoleGrantPermission(ctx, "kube-apiserver", "/registry/", clientv3.GetPrefixRangeEnd("/registry/"), clientv3.PermissionType(clientv3.PermReadWrite)); err != nil {
-				return err
-			}
-			if _, err := admin.RoleGrantPermission(ctx, "kube-apiserver", "compact_rev_key", "", clientv3.PermissionType(clientv3.PermRead)); err != nil {
-				return err
-			}
-			if _, err := admin.UserAddWithOptions(ctx, "kube-apiserver", "", &clientv3.UserAddOptions{NoPassword: true}); err != nil {
-				return err
-			}
-			_, err := admin.UserGrantRole(ctx, "kube-apiserver", "kube-apiserver")
+	env := startPair(b, true, true, func(ctx context.Context, admin *clientv3.Client) error {
+		if _, err := admin.RoleAdd(ctx, "kube-apiserver"); err != nil {
 			return err
-		})
-	env.loader = dial(b, env.etcd.endpoint, env.tls, "root", rootPassword)
-	env.proxy = startProxyProcessTLS(b, env.etcd.endpoint, true, append(serving("proxy"),
-		"--cacert="+file("ca.crt"), "--cert="+file("anonymous.crt"), "--key="+file("anonymous.key"),
-		"--user=root", "--password="+rootPassword)...)
-	env.etcdS = env.newSide(b, "etcd", env.etcd.endpoint, "root", rootPassword)
-	env.proxyS = env.newSide(b, "proxy", env.proxy.endpoint, "root", rootPassword)
-	return env, []string{
-		"--etcd-cafile=" + file("ca.crt"),
-		"--etcd-certfile=" + file("kube-apiserver.crt"),
-		"--etcd-keyfile=" + file("kube-apiserver.key"),
-	}
+		}
+		if _, err := admin.RoleGrantPermission(ctx, "kube-apiserver", "/registry/", clientv3.GetPrefixRangeEnd("/registry/"), clientv3.PermissionType(clientv3.PermReadWrite)); err != nil {
+			return err
+		}
+		if _, err := admin.RoleGrantPermission(ctx, "kube-apiserver", "compact_rev_key", "", clientv3.PermissionType(clientv3.PermRead)); err != nil {
+			return err
+		}
+		if _, err := admin.UserAddWithOptions(ctx, "kube-apiserver", "", &clientv3.UserAddOptions{NoPassword: true}); err != nil {
+			return err
+		}
+		_, err := admin.UserGrantRole(ctx, "kube-apiserver", "kube-apiserver")
+		return err
+	})
+	return env, env.pki.kubeEtcd("kube-apiserver")
 }

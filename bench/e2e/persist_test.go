@@ -95,18 +95,14 @@ func BenchmarkPersistOverhead(b *testing.B) {
 	}
 	start := time.Now()
 	env := newPairEnv(b) // etcd, and "on" in front of it
-	offArgs := []string{"--persist-cache=false"}
 	user, password := "", ""
 	if env.auth {
-		offArgs = append(offArgs, "--user=root", "--password="+rootPassword)
 		user, password = benchUser, benchPassword
 	}
-	if *cmpPprof {
-		offArgs = append(offArgs, "--enable-pprof")
-	}
 	// Both proxies start before any data is written, so that both hold
-	// the same history.
-	offP := startProxyProcess(b, env.etcd.endpoint, offArgs...)
+	// the same history; "off" with "on"'s flags (auth, mTLS, pprof) but
+	// its copy on disk.
+	offP := env.startProxy(b, "--persist-cache=false")
 	on := &persistSide{name: "on", p: env.proxy, s: env.proxyS}
 	off := &persistSide{name: "off", p: offP, s: env.newSide(b, "off", offP.endpoint, user, password)}
 	sides := []*persistSide{on, off}
@@ -579,7 +575,7 @@ func reportPersist(b *testing.B, env *pairEnv, on, off *persistSide, disk0, disk
 	if env.auth {
 		auth = " (auth on)"
 	}
-	name := b.Name() + auth
+	name := env.summaryName(b) + auth
 	fmt.Printf("SUMMARY %s apply: on/off cpu %.2fx (per round %s), catch-up lag on %.1f ms off %.1f ms; on: %.3f cpu-s/1k rev (rounds %s), catch-up %.1f ms (rounds %s), copy on disk %.0f ms after the writer (rounds %s), rss %.0f MiB; off: %.3f cpu-s/1k rev (rounds %s), catch-up %.1f ms (rounds %s), rss %.0f MiB  [%d rounds of %d revisions x %d B, %d writers; medians]\n",
 		name, applyRatio, fmtList(pairRatios(on.applyCPU, off.applyCPU), "%.2f"), md(on.catchUp)*1000, md(off.catchUp)*1000,
 		md(on.applyCPU), fmtList(on.applyCPU, "%.3f"), md(on.catchUp)*1000, fmtList(ms(on.catchUp), "%.1f"),

@@ -79,8 +79,8 @@ func loadRangeData(b *testing.B, keys, valueSize, updates int) *rangeData {
 		}
 	}
 	d.bytes = proto.Size(fromEtcd)
-	b.Logf("setup: %d keys x %d B at R=%d, %d later revisions, full Range %.1f MiB, auth %v; took %v",
-		keys, valueSize, d.rev, updates, float64(d.bytes)/mib, env.auth, time.Since(start).Round(time.Millisecond))
+	b.Logf("setup: %d keys x %d B at R=%d, %d later revisions, full Range %.1f MiB, auth %v, transport %s; took %v",
+		keys, valueSize, d.rev, updates, float64(d.bytes)/mib, env.auth, transportName(env.tls != nil), time.Since(start).Round(time.Millisecond))
 	return d
 }
 

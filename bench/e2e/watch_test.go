@@ -52,8 +52,8 @@ func BenchmarkWatchFanout(b *testing.B) {
 			conns[s] = append(conns[s], dial(b, s.endpoint, s.env.tls, user, password))
 		}
 	}
-	b.Logf("setup: %d watchers on %d connections, %d puts of %d keys x %d B per round: %d events; auth %v",
-		*watchers, *watchConns, *watchPuts, *watchKeys, *watchValue, *watchers**watchPuts, env.auth)
+	b.Logf("setup: %d watchers on %d connections, %d puts of %d keys x %d B per round: %d events; auth %v, transport %s",
+		*watchers, *watchConns, *watchPuts, *watchKeys, *watchValue, *watchers**watchPuts, env.auth, transportName(env.tls != nil))
 	compareSides(b, env, "event", func(b *testing.B, s *side, m *meter, warm bool) roundOut {
 		if warm {
 			return roundOut{}
