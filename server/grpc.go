@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"fmt"
 	"math"
 	"os"
 	"path"
@@ -11,7 +10,6 @@ import (
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
@@ -25,6 +23,7 @@ import (
 	"go.etcd.io/etcd/server/v3/proxy/grpcproxy"
 
 	"github.com/etcd-snapcache/etcd-snapcache/gate"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/tlsmux"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
@@ -75,13 +74,9 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		opts = append(opts, grpc.KeepaliveParams(keepalive.ServerParameters{Time: s.cfg.GRPCKeepAliveInterval, Timeout: s.cfg.GRPCKeepAliveTimeout}))
 	}
 	if s.tls != nil {
-		// Served through ServeHTTP behind a TLS listener; the credentials
-		// are etcd's, for a server reached directly.
-		tlsCfg, err := s.tls.ServerConfig()
-		if err != nil {
-			return nil, fmt.Errorf("serving TLS: %w", err)
-		}
-		opts = append(opts, grpc.Creds(credentials.NewTLS(tlsCfg)))
+		// The TLS handshake is done before a connection reaches the
+		// server (serveClientPort): its credentials expose it.
+		opts = append(opts, grpc.Creds(tlsmux.Credentials()))
 	}
 	opts = append(opts, s.cfg.GRPCServerOptions...)
 	gs := grpc.NewServer(opts...)

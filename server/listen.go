@@ -14,7 +14,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/tlsmux"
 	"github.com/soheilhy/cmux"
+	"golang.org/x/net/http2"
 	"google.golang.org/grpc"
 
 	"go.etcd.io/etcd/client/pkg/v3/transport"
@@ -160,10 +162,13 @@ func (s *Server) newHTTPServer(h http.Handler) *http.Server {
 
 // serveClientPort serves gRPC and HTTP on the client listener, as etcd
 // serves its client port. Without TLS, cmux sends HTTP/2 connections to the
-// gRPC server and HTTP/1 ones to the HTTP server. With TLS, one HTTP
-// server terminates TLS (checking the CRL) and hands gRPC requests to the
-// gRPC server through ServeHTTP, so that handlers see the caller's verified
-// certificate in peer.AuthInfo, as etcd's do.
+// gRPC server and HTTP/1 ones to the HTTP server. With TLS, etcd's TLS
+// listener terminates TLS (checking the CRL) and internal/tlsmux sends
+// gRPC connections to grpc-go's own transport, with credentials that put
+// the caller's verified certificate in peer.AuthInfo as etcd's handlers
+// see it, and the rest to the HTTP server: HTTP/1 as they are, HTTP/2 to
+// an HTTP/2 server of the same handler, which hands a gRPC request on such
+// a connection to the gRPC server through ServeHTTP, as etcd does.
 func (s *Server) serveClientPort(gs *grpc.Server, mux http.Handler) error {
 	if s.tls == nil {
 		m := cmux.New(s.clientLis)
@@ -185,7 +190,16 @@ func (s *Server) serveClientPort(gs *grpc.Server, mux http.Handler) error {
 	}
 	s.clientHTTP = s.newHTTPServer(grpcHandlerFunc(gs, mux))
 	s.clientHTTP.TLSConfig = tlsCfg
-	s.serve("gRPC and HTTP over TLS", func() error { return s.clientHTTP.Serve(tlsl) })
+	h2 := &http2.Server{MaxConcurrentStreams: s.maxConcurrentStreams()}
+	if err := http2.ConfigureServer(s.clientHTTP, h2); err != nil {
+		return fmt.Errorf("serving HTTP/2 over TLS: %w", err)
+	}
+	s.tlsMux = tlsmux.New(tlsl, func(c *tlsmux.Conn) {
+		h2.ServeConn(c, &http2.ServeConnOpts{BaseConfig: s.clientHTTP, Handler: s.clientHTTP.Handler})
+	}, s.lg.Named("tls"))
+	s.serve("gRPC over TLS", func() error { return gs.Serve(s.tlsMux.GRPC()) })
+	s.serve("HTTP over TLS", func() error { return s.clientHTTP.Serve(s.tlsMux.HTTP1()) })
+	s.serve("the client port", s.tlsMux.Serve)
 	return nil
 }
 

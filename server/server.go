@@ -27,6 +27,7 @@ import (
 
 	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/tlsmux"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/persist"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
@@ -63,6 +64,7 @@ type Server struct {
 	// once ready when they were handed over.
 	acceptsOpen       chan struct{}
 	clientHTTP        *http.Server
+	tlsMux            *tlsmux.Mux  // with TLS: the client port's connections by protocol
 	metricsLis        net.Listener // nil without MetricsAddr
 	metricsHTTP       *http.Server
 	health            *health.Server
@@ -607,6 +609,9 @@ func (s *Server) closeAll() {
 		if l != nil {
 			l.Close()
 		}
+	}
+	if s.tlsMux != nil {
+		s.tlsMux.Close()
 	}
 	if s.cancel != nil {
 		s.cancel()

@@ -1,0 +1,211 @@
+package tlsmux_test
+
+import (
+	"context"
+	"crypto/tls"
+	"io"
+	"net"
+	"net/http"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"go.uber.org/zap/zaptest"
+	"golang.org/x/net/http2"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/peer"
+
+	"go.etcd.io/etcd/client/pkg/v3/transport"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/tlsmux"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// muxed is a mux on a TLS listener requiring client certificates, with a
+// gRPC health server on its gRPC connections that records the common name
+// of each caller's verified certificate, and an HTTP handler on the rest
+// that answers the protocol and the caller's common name.
+type muxed struct {
+	addr string
+	pki  *testsupport.PKI
+	cns  chan string // gRPC callers' common names
+}
+
+func startMux(t *testing.T) *muxed {
+	t.Helper()
+	dir := t.TempDir()
+	pki := testsupport.NewPKI(t)
+	info := transport.TLSInfo{CertFile: filepath.Join(dir, "s.crt"), KeyFile: filepath.Join(dir, "s.key"), TrustedCAFile: filepath.Join(dir, "ca.crt"), ClientCertAuth: true}
+	pki.WriteCA(t, info.TrustedCAFile)
+	pki.WritePair(t, "server", testsupport.Server, info.CertFile, info.KeyFile)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tlsl, err := transport.NewTLSListener(l, &info)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := &muxed{addr: l.Addr().String(), pki: pki, cns: make(chan string, 16)}
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		cn := "-"
+		if r.TLS != nil && len(r.TLS.VerifiedChains) > 0 {
+			cn = r.TLS.VerifiedChains[0][0].Subject.CommonName
+		}
+		io.WriteString(w, r.Proto+" "+cn)
+	})
+	hs := &http.Server{Handler: handler}
+	h2 := &http2.Server{}
+	if err := http2.ConfigureServer(hs, h2); err != nil {
+		t.Fatal(err)
+	}
+	mux := tlsmux.New(tlsl, func(c *tlsmux.Conn) {
+		h2.ServeConn(c, &http2.ServeConnOpts{BaseConfig: hs, Handler: handler})
+	}, zaptest.NewLogger(t))
+	gs := grpc.NewServer(grpc.Creds(tlsmux.Credentials()), grpc.UnaryInterceptor(
+		func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+			cn := "-"
+			if p, ok := peer.FromContext(ctx); ok {
+				if ti, ok := p.AuthInfo.(credentials.TLSInfo); ok && len(ti.State.VerifiedChains) > 0 {
+					cn = ti.State.VerifiedChains[0][0].Subject.CommonName
+				}
+			}
+			m.cns <- cn
+			return h(ctx, req)
+		}))
+	healthpb.RegisterHealthServer(gs, health.NewServer())
+	done := make(chan struct{}, 3)
+	for _, serve := range []func() error{
+		mux.Serve,
+		func() error { return gs.Serve(mux.GRPC()) },
+		func() error { return hs.Serve(mux.HTTP1()) },
+	} {
+		go func() {
+			defer func() { done <- struct{}{} }()
+			serve()
+		}()
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		hs.Shutdown(ctx)
+		gs.Stop()
+		mux.Close()
+		for range 3 {
+			<-done
+		}
+	})
+	return m
+}
+
+// TestGRPCNativeWithIdentity: a gRPC client reaches the gRPC server on its
+// own transport, whose handlers see its verified certificate, also after
+// its connection stayed idle before the first call.
+func TestGRPCNativeWithIdentity(t *testing.T) {
+	m := startMux(t)
+	conn, err := grpc.NewClient(m.addr, grpc.WithTransportCredentials(credentials.NewTLS(m.pki.ClientTLS(t, "alice"))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.Connect()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	// Ready means the server's preface arrived before any request.
+	for s := conn.GetState(); s.String() != "READY"; s = conn.GetState() {
+		if !conn.WaitForStateChange(ctx, s) {
+			t.Fatalf("connection never ready: %v", s)
+		}
+	}
+	for range 3 {
+		if _, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
+			t.Fatal(err)
+		}
+		if cn := <-m.cns; cn != "alice" {
+			t.Fatalf("the handler saw %q, want alice", cn)
+		}
+	}
+}
+
+// TestHTTPBothVersions: HTTP/1.1 and HTTP/2 requests on the same port
+// reach the HTTP handler with the caller's verified certificate.
+func TestHTTPBothVersions(t *testing.T) {
+	m := startMux(t)
+	for _, tc := range []struct {
+		name, want string
+		h2         bool
+	}{{"HTTP/1.1", "HTTP/1.1 bob", false}, {"HTTP/2", "HTTP/2.0 bob", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			tr := &http.Transport{TLSClientConfig: m.pki.ClientTLS(t, "bob"), ForceAttemptHTTP2: tc.h2}
+			if !tc.h2 {
+				tr.TLSNextProto = map[string]func(string, *tls.Conn) http.RoundTripper{}
+			}
+			defer tr.CloseIdleConnections()
+			cli := &http.Client{Transport: tr, Timeout: 10 * time.Second}
+			for range 2 {
+				resp, err := cli.Get("https://" + m.addr + "/metrics")
+				if err != nil {
+					t.Fatal(err)
+				}
+				b, err := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if err != nil || string(b) != tc.want {
+					t.Fatalf("answer %q, %v; want %q", b, err, tc.want)
+				}
+			}
+		})
+	}
+}
+
+// TestPingBeforeRequest: a client whose keepalive pings before its first
+// request is gRPC's, and the gRPC server answers the ping.
+func TestPingBeforeRequest(t *testing.T) {
+	m := startMux(t)
+	c, err := tls.Dial("tcp", m.addr, withALPN(m.pki.ClientTLS(t, "carol"), "h2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	fr := http2.NewFramer(c, c)
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	data := [8]byte{1, 2, 3, 4, 5, 6, 7, 8}
+	if err := fr.WritePing(false, data); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if !f.IsAck() {
+				if err := fr.WriteSettingsAck(); err != nil {
+					t.Fatal(err)
+				}
+			}
+		case *http2.PingFrame:
+			if f.IsAck() && f.Data == data {
+				return
+			}
+		}
+	}
+}
+
+func withALPN(cfg *tls.Config, protos ...string) *tls.Config {
+	cfg = cfg.Clone()
+	cfg.NextProtos = protos
+	return cfg
+}
