@@ -12,8 +12,8 @@
 //   - without HTTP/2 negotiated (ALPN), it is HTTP/1: the *tls.Conn goes
 //     to the HTTP server as it is (HTTP1);
 //   - with HTTP/2, the first request decides. The mux sends the server's
-//     connection preface (an empty SETTINGS frame, which gRPC clients wait
-//     for before their first request) and reads the client's frames up to
+//     connection preface (a SETTINGS frame, which gRPC clients wait for
+//     before their first request) and reads the client's frames up to
 //     its first HEADERS, whose content-type says gRPC or not, or its
 //     first PING, which only a gRPC client's keepalive sends before a
 //     request. A gRPC connection goes to the gRPC server (GRPC, with
@@ -185,15 +185,18 @@ func (m *Mux) handOff(l *chanListener, c net.Conn) {
 	}
 }
 
-// emptySettings is an HTTP/2 SETTINGS frame with no settings: the server's
-// connection preface.
-var emptySettings = []byte{0, 0, 0, byte(http2.FrameSettings), 0, 0, 0, 0, 0}
+// prefaceSettings is the server's connection preface, a SETTINGS frame of
+// SETTINGS_NO_RFC7540_PRIORITIES = 1 alone: a value that may not change
+// after the first SETTINGS (RFC 9218; curl's nghttp2 ends the connection
+// if it does), which x/net's server sends and grpc-go's, which ignores
+// RFC 7540 priorities too, leaves as it is.
+var prefaceSettings = []byte{0, 0, 6, byte(http2.FrameSettings), 0, 0, 0, 0, 0, 0, byte(http2.SettingNoRFC7540Priorities), 0, 0, 0, 1}
 
 // peek reads tc's client preface and frames up to its first HEADERS or
 // PING, after sending the server's preface, and returns the connection
 // with what it read replayed, and whether it is gRPC's.
 func peek(tc *tls.Conn) (*Conn, bool, error) {
-	if _, err := tc.Write(emptySettings); err != nil {
+	if _, err := tc.Write(prefaceSettings); err != nil {
 		return nil, false, fmt.Errorf("sending the server preface: %w", err)
 	}
 	var seen bytes.Buffer

@@ -1,6 +1,7 @@
 package tlsmux_test
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"io"
@@ -13,6 +14,7 @@ import (
 	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
 	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
@@ -200,6 +202,66 @@ func TestPingBeforeRequest(t *testing.T) {
 			if f.IsAck() && f.Data == data {
 				return
 			}
+		}
+	}
+}
+
+// TestSettingsNeverChangePriorities: an HTTP/2 client that sends its
+// request at once, as curl does, gets its answer, and no SETTINGS frame of
+// the server changes SETTINGS_NO_RFC7540_PRIORITIES from the first one's,
+// which RFC 9218 forbids (curl's nghttp2 ends the connection).
+func TestSettingsNeverChangePriorities(t *testing.T) {
+	m := startMux(t)
+	c, err := tls.Dial("tcp", m.addr, withALPN(m.pki.ClientTLS(t, "dave"), "h2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	fr := http2.NewFramer(c, c)
+	fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	var block bytes.Buffer
+	enc := hpack.NewEncoder(&block)
+	for _, f := range [][2]string{{":method", "GET"}, {":path", "/metrics"}, {":scheme", "https"}, {":authority", m.addr}} {
+		enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
+	}
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: block.Bytes(), EndStream: true, EndHeaders: true}); err != nil {
+		t.Fatal(err)
+	}
+	first, noPriorities := true, uint32(0)
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if f.IsAck() {
+				continue
+			}
+			v, ok := f.Value(http2.SettingNoRFC7540Priorities)
+			switch {
+			case first:
+				first, noPriorities = false, v
+			case ok && v != noPriorities:
+				t.Fatalf("SETTINGS_NO_RFC7540_PRIORITIES changed from %d to %d", noPriorities, v)
+			}
+			if err := fr.WriteSettingsAck(); err != nil {
+				t.Fatal(err)
+			}
+		case *http2.GoAwayFrame:
+			t.Fatalf("GOAWAY %v", f.ErrCode)
+		case *http2.MetaHeadersFrame:
+			if s := f.PseudoValue("status"); s != "200" {
+				t.Fatalf("status %q", s)
+			}
+			return
 		}
 	}
 }
