@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 )
 
 // The values of Config.MemoryLimit that are not byte counts.
@@ -28,12 +29,13 @@ const (
 )
 
 // liveEstimate is the heap an automatic limit follows: the store's (its
-// live keyspace, retained history and a load in progress) and the
-// responses from the cache being built and sent, so that a burst of large
-// reads, bounded by --max-cached-read-bytes, raises the limit rather than
-// making the collector run again and again under it.
+// live keyspace, retained history and a load in progress), the responses
+// from the cache being built and sent, and the large response buffers kept
+// for reuse, so that a burst of large reads, bounded by
+// --max-cached-read-bytes, raises the limit rather than making the
+// collector run again and again under it.
 func (s *Server) liveEstimate() int64 {
-	n := s.store.ApproxBytes()
+	n := s.store.ApproxBytes() + wirecodec.RetainedBytes()
 	if s.kv != nil {
 		n += s.kv.CachedReadBytes()
 	}

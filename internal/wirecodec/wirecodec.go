@@ -17,6 +17,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/encoding"
@@ -162,16 +163,37 @@ var onceBuffers = &unclearedPool{}
 
 // unclearedPool is a mem.BufferPool whose buffers keep whatever bytes they
 // held: for a caller that overwrites every byte it uses. Buffers come in
-// power-of-two capacities from 4 KiB, each from its own sync.Pool; one
-// larger than the largest class is allocated and never kept.
+// power-of-two capacities from 4 KiB. Those under 1 MiB are each class's
+// sync.Pool's, which a collection empties; larger ones are kept across
+// collections, up to maxKeptBytes in all: a sync.Pool of them, emptied by
+// every collection, turned a stream of large reads into a stream of
+// large allocations, and with a soft memory limit each of those brought
+// the next collection sooner (about a third of the proxy's CPU for
+// 10 MiB ranges). One larger than the largest class is allocated and
+// never kept.
 type unclearedPool struct {
 	classes [unclearedClasses]sync.Pool // of *[]byte; class i holds cap 4 KiB << i
+
+	mu sync.Mutex
+	// Guarded by mu: the kept buffers of the classes from keptMinShift.
+	kept [unclearedClasses][]*[]byte
+	// keptBytes is their capacity in all; written under mu.
+	keptBytes atomic.Int64
 }
 
 const (
 	unclearedMinShift = 12 // 4 KiB
 	unclearedClasses  = 13 // up to 16 MiB
+	// keptMinShift is the least class kept across collections (1 MiB).
+	keptMinShift = 20
+	// maxKeptBytes bounds the kept buffers' capacity: a few large
+	// responses' worth, against --max-cached-read-bytes' 256 MiB in flight.
+	maxKeptBytes = 64 << 20
 )
+
+// RetainedBytes is the capacity of the large response buffers kept for
+// reuse: heap that is live though no response holds it.
+func RetainedBytes() int64 { return onceBuffers.keptBytes.Load() }
 
 // class returns the class of a buffer of n bytes, or -1 if none holds it.
 func (p *unclearedPool) class(n int) int {
@@ -190,12 +212,31 @@ func (p *unclearedPool) Get(n int) *[]byte {
 		b := make([]byte, n)
 		return &b
 	}
-	if buf, ok := p.classes[c].Get().(*[]byte); ok {
+	if unclearedMinShift+c >= keptMinShift {
+		if buf := p.takeKept(c); buf != nil {
+			*buf = (*buf)[:n]
+			return buf
+		}
+	} else if buf, ok := p.classes[c].Get().(*[]byte); ok {
 		*buf = (*buf)[:n]
 		return buf
 	}
 	b := make([]byte, n, 1<<(unclearedMinShift+c))
 	return &b
+}
+
+func (p *unclearedPool) takeKept(c int) *[]byte {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	k := p.kept[c]
+	if len(k) == 0 {
+		return nil
+	}
+	buf := k[len(k)-1]
+	k[len(k)-1] = nil
+	p.kept[c] = k[:len(k)-1]
+	p.keptBytes.Add(-int64(cap(*buf)))
+	return buf
 }
 
 // Put gives back a buffer that Get returned.
@@ -204,7 +245,17 @@ func (p *unclearedPool) Put(buf *[]byte) {
 	if c < 0 || cap(*buf) != 1<<(unclearedMinShift+c) {
 		return
 	}
-	p.classes[c].Put(buf)
+	if unclearedMinShift+c < keptMinShift {
+		p.classes[c].Put(buf)
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.keptBytes.Load()+int64(cap(*buf)) > maxKeptBytes {
+		return // the garbage collector's
+	}
+	p.kept[c] = append(p.kept[c], buf)
+	p.keptBytes.Add(int64(cap(*buf)))
 }
 
 var _ mem.BufferPool = (*unclearedPool)(nil)
