@@ -163,6 +163,14 @@ func (m *Mux) classify(tc *tls.Conn) {
 		m.handOff(m.http1, tc)
 		return
 	}
+	if m.grpc.isClosed() {
+		// The gRPC server is stopping (GracefulStop closed its
+		// listener): closed before the server preface, the connection
+		// never becomes ready, so a client sends nothing on it and
+		// tries again elsewhere or later, as against a closed port.
+		tc.Close()
+		return
+	}
 	c, isGRPC, err := peek(tc)
 	if err != nil {
 		if !errors.Is(err, net.ErrClosed) && !errors.Is(err, io.EOF) {
@@ -172,7 +180,14 @@ func (m *Mux) classify(tc *tls.Conn) {
 		return
 	}
 	if isGRPC {
-		m.handOff(m.grpc, c)
+		if !m.grpc.put(c) {
+			// Stopped since the preface was sent: a GOAWAY whose last
+			// stream is 0 tells the client that no request it sent was
+			// processed, so that it retries each (grpc-go does so
+			// transparently), where a bare close would fail them.
+			goAwayUnprocessed(tc)
+			tc.Close()
+		}
 		return
 	}
 	// Still tracked while served, so that Close ends it.
@@ -183,6 +198,13 @@ func (m *Mux) handOff(l *chanListener, c net.Conn) {
 	if !l.put(c) {
 		c.Close()
 	}
+}
+
+// goAwayUnprocessed writes a GOAWAY frame with last stream 0 and no error:
+// no stream of the connection was or will be processed.
+func goAwayUnprocessed(c net.Conn) {
+	fr := http2.NewFramer(c, nil)
+	fr.WriteGoAway(0, http2.ErrCodeNo, nil)
 }
 
 // prefaceSettings is the server's connection preface, a SETTINGS frame of
@@ -333,6 +355,16 @@ func (l *chanListener) Accept() (net.Conn, error) {
 		return c, nil
 	case <-l.done:
 		return nil, net.ErrClosed
+	}
+}
+
+// isClosed reports whether Close was called.
+func (l *chanListener) isClosed() bool {
+	select {
+	case <-l.done:
+		return true
+	default:
+		return false
 	}
 }
 

@@ -40,6 +40,12 @@ type muxed struct {
 }
 
 func startMux(t *testing.T) *muxed {
+	m, _ := startMuxed(t)
+	return m
+}
+
+// startMuxed is startMux, and the mux itself.
+func startMuxed(t *testing.T) (*muxed, *tlsmux.Mux) {
 	t.Helper()
 	dir := t.TempDir()
 	pki := testsupport.NewPKI(t)
@@ -103,7 +109,7 @@ func startMux(t *testing.T) *muxed {
 			<-done
 		}
 	})
-	return m
+	return m, mux
 }
 
 // TestGRPCNativeWithIdentity: a gRPC client reaches the gRPC server on its
@@ -263,6 +269,26 @@ func TestSettingsNeverChangePriorities(t *testing.T) {
 			}
 			return
 		}
+	}
+}
+
+// TestStoppingGRPCSendsNoPreface: once the gRPC server stopped accepting
+// (GracefulStop closed its listener while the port still accepts), an
+// HTTP/2 connection is closed before the server preface, so that a gRPC
+// client never sends a request on it (which it could not retry safely)
+// and connects again.
+func TestStoppingGRPCSendsNoPreface(t *testing.T) {
+	m, mux := startMuxed(t)
+	mux.GRPC().Close()
+	c, err := tls.Dial("tcp", m.addr, withALPN(m.pki.ClientTLS(t, "erin"), "h2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	io.WriteString(c, http2.ClientPreface)
+	if b, err := io.ReadAll(c); len(b) != 0 {
+		t.Fatalf("read %d bytes (%v) from a stopping server, want none", len(b), err)
 	}
 }
 
