@@ -175,16 +175,7 @@ func TestHTTPBothVersions(t *testing.T) {
 // request is gRPC's, and the gRPC server answers the ping.
 func TestPingBeforeRequest(t *testing.T) {
 	m := startMux(t)
-	c, err := tls.Dial("tcp", m.addr, withALPN(m.pki.ClientTLS(t, "carol"), "h2"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
-		t.Fatal(err)
-	}
-	fr := http2.NewFramer(c, c)
+	fr := m.dialH2(t, "carol")
 	if err := fr.WriteSettings(); err != nil {
 		t.Fatal(err)
 	}
@@ -218,16 +209,7 @@ func TestPingBeforeRequest(t *testing.T) {
 // which RFC 9218 forbids (curl's nghttp2 ends the connection).
 func TestSettingsNeverChangePriorities(t *testing.T) {
 	m := startMux(t)
-	c, err := tls.Dial("tcp", m.addr, withALPN(m.pki.ClientTLS(t, "dave"), "h2"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
-		t.Fatal(err)
-	}
-	fr := http2.NewFramer(c, c)
+	fr := m.dialH2(t, "dave")
 	fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	var block bytes.Buffer
 	enc := hpack.NewEncoder(&block)
@@ -290,6 +272,23 @@ func TestStoppingGRPCSendsNoPreface(t *testing.T) {
 	if b, err := io.ReadAll(c); len(b) != 0 {
 		t.Fatalf("read %d bytes (%v) from a stopping server, want none", len(b), err)
 	}
+}
+
+// dialH2 connects to the mux as the client cn, negotiating HTTP/2, sends
+// the client preface, and returns a framer of the connection, closed when
+// the test ends.
+func (m *muxed) dialH2(t *testing.T, cn string) *http2.Framer {
+	t.Helper()
+	c, err := tls.Dial("tcp", m.addr, withALPN(m.pki.ClientTLS(t, cn), "h2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	return http2.NewFramer(c, c)
 }
 
 func withALPN(cfg *tls.Config, protos ...string) *tls.Config {
