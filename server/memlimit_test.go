@@ -44,14 +44,39 @@ func limitMetric(t *testing.T, s *Server) int64 {
 	return 0
 }
 
+// withoutGOMEMLIMIT unsets GOMEMLIMIT for the test (restored after it),
+// which would otherwise make the server leave the limit alone.
+func withoutGOMEMLIMIT(t *testing.T) {
+	t.Setenv("GOMEMLIMIT", "") // restores the environment's value after the test
+	os.Unsetenv("GOMEMLIMIT")
+}
+
+// TestMemoryLimitDefersToGOMEMLIMIT: with GOMEMLIMIT set, the server
+// leaves the runtime's limit as it is and reports it as the ceiling.
+func TestMemoryLimitDefersToGOMEMLIMIT(t *testing.T) {
+	t.Setenv("GOMEMLIMIT", "1GiB")
+	before := debug.SetMemoryLimit(1 << 30) // what the runtime took from it
+	defer debug.SetMemoryLimit(before)
+	s := memoryLimitServer(MemoryLimitAuto)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s.startMemoryLimit(ctx)
+	if got := debug.SetMemoryLimit(-1); got != 1<<30 {
+		t.Fatalf("limit %d, want GOMEMLIMIT's 1 GiB", got)
+	}
+	if got := limitMetric(t, s); got != 1<<30 {
+		t.Fatalf("metric %d, want 1 GiB", got)
+	}
+	cancel()
+	s.wg.Wait()
+}
+
 // TestMemoryLimitAuto: an automatic limit is set from the store's
 // estimate (at least the floor), follows the store as it grows, is
 // exported, is managed by one server of the process at a time, and is
 // restored to what it was when the server stops.
 func TestMemoryLimitAuto(t *testing.T) {
-	if _, ok := os.LookupEnv("GOMEMLIMIT"); ok {
-		t.Skip("GOMEMLIMIT is set: the runtime's limit is the environment's")
-	}
+	withoutGOMEMLIMIT(t)
 	before := debug.SetMemoryLimit(-1)
 	s := memoryLimitServer(MemoryLimitAuto)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -95,9 +120,7 @@ func TestMemoryLimitAuto(t *testing.T) {
 // TestMemoryLimitFixedAndOff: a fixed limit is set as given; 0 sets none
 // and exports 0 (with no limit in the process).
 func TestMemoryLimitFixedAndOff(t *testing.T) {
-	if _, ok := os.LookupEnv("GOMEMLIMIT"); ok {
-		t.Skip("GOMEMLIMIT is set: the runtime's limit is the environment's")
-	}
+	withoutGOMEMLIMIT(t)
 	before := debug.SetMemoryLimit(-1)
 	s := memoryLimitServer(3 << 30)
 	ctx, cancel := context.WithCancel(context.Background())
