@@ -34,6 +34,8 @@ var (
 	cpWatchList  = flag.Bool("snapcache.e2e.cp-watchlist", false, "informers use watch-list (client-go's WatchListClient) instead of LIST then WATCH")
 	cpStormLoad  = flag.Bool("snapcache.e2e.cp-storm-load", true, "the load's writes and reads (kubelet heartbeats included) go on during start-storm and restart-all; false: they pause there (informers still start and catch up), so those phases measure the storm's own cost: the kube-apiservers' LISTs and watches")
 	cpTopology   = flag.String("snapcache.e2e.cp-topology", "shared", "the proxy side's proxies: shared (one proxy in front of etcd for every kube-apiserver), sidecar (one per kube-apiserver, each in front of etcd) or tiered (one in front of etcd, and one per kube-apiserver in front of it)")
+	cpSides      = flag.String("snapcache.e2e.cp-sides", "direct,proxy", "the sides BenchmarkControlPlane runs, in its first round's order: direct, proxy, or both")
+	cpProxyFlags = flag.String("snapcache.e2e.cp-proxy-flags", "", "extra flags of every proxy of the proxy side (space-separated), e.g. --memory-limit=0 to compare a setting")
 	cpTimeout    = flag.Duration("snapcache.e2e.cp-timeout", 10*time.Minute, "bound of each wait: kube-apiservers ready, informers synced or caught up (populating: three times it)")
 )
 
@@ -86,7 +88,7 @@ func BenchmarkControlPlane(b *testing.B) {
 
 	var results []cpPhase
 	for r := range *cpRounds {
-		sides := []string{"direct", "proxy"}
+		sides := strings.Split(*cpSides, ",")
 		if r%2 == 1 {
 			slices.Reverse(sides)
 		}
@@ -281,6 +283,7 @@ func (cp *controlPlane) startProxy(b *testing.B, upstream string) *proxyProcess 
 	if cp.pki != nil {
 		args = append(append(args, cp.pki.serving("proxy")...), cp.pki.upstream()...)
 	}
+	args = append(args, strings.Fields(*cpProxyFlags)...)
 	return startProxyProcessTLS(b, upstream, cp.pki != nil, args...)
 }
 
