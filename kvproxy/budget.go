@@ -7,7 +7,6 @@ import (
 	"sync/atomic"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
@@ -53,16 +52,13 @@ func (s *Server) admitCached(ctx context.Context, view revtree.View, r *pb.Range
 }
 
 // fitCached changes a holding of held bytes into the built response's
-// encoded size (size, or measured if size < 0), waiting for more room if
-// the estimate fell short; it returns the bytes held.
-func (s *Server) fitCached(ctx context.Context, held int64, resp *pb.RangeResponse, size int) (int64, error) {
+// encoded size, of kvs key-values, waiting for more room if the estimate
+// fell short; it returns the bytes held.
+func (s *Server) fitCached(ctx context.Context, held int64, size, kvs int) (int64, error) {
 	if s.budget == nil {
 		return 0, nil
 	}
-	if size < 0 {
-		size = proto.Size(resp)
-	}
-	n := s.budget.clamp(s.budget.learn(int64(size), len(resp.Kvs)))
+	n := s.budget.clamp(s.budget.learn(int64(size), kvs))
 	if s.budget.resizeNow(held, n) {
 		return n, nil // no wait: no context for one
 	}

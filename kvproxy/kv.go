@@ -266,26 +266,23 @@ func (s *Server) serveRange(ctx context.Context, r *pb.RangeRequest, encode bool
 		s.m.observe(sourceRejected, reasonMemory)
 		return nil, nil, err
 	}
-	resp = rt.view.Range(r, rules.opts)
+	result := rt.view.Result(r, rules.opts)
 	// The header is filled before the response is sized, and nothing
 	// changes it after: it is encoded at the size computed then.
-	s.follower.FillHeader(resp.Header)
-	size := -1
-	if encode {
-		size = revtree.RangeResponseSize(r, resp)
-	}
-	if held, err = s.fitCached(ctx, held, resp, size); err != nil {
+	s.follower.FillHeader(result.Header)
+	size := result.Size()
+	if held, err = s.fitCached(ctx, held, size, result.Len()); err != nil {
 		s.m.observe(sourceRejected, reasonMemory)
 		return nil, nil, err
 	}
 	if encode {
-		enc, err = wirecodec.NewEncodedOnce(rangeResponseType, size, func(b []byte) ([]byte, error) {
-			return revtree.AppendRangeResponse(b, r, resp)
-		})
+		enc, err = wirecodec.NewEncodedOnce(rangeResponseType, size, result.AppendTo)
 		if err != nil {
 			s.releaseCached(held)
 			return nil, nil, status.Errorf(codes.Internal, "etcd-snapcache: encoding a range response: %v", err)
 		}
+	} else {
+		resp = result.Response()
 	}
 	// gRPC encodes and queues the response after the handler returns, and
 	// ends the call's context once it has: hold the bytes until then.

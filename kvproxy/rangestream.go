@@ -106,30 +106,32 @@ func (s *Server) rangeStreamFromView(rt route, req *pb.RangeRequest, opts revtre
 		case err != nil:
 			return err
 		}
-		resp := view.Range(r, opts)
-		size := revtree.RangeResponseSize(r, resp)
-		if held, err = s.fitCached(ctx, held, resp, size); err != nil {
+		chunk := view.Result(r, opts)
+		size := chunk.Size()
+		if held, err = s.fitCached(ctx, held, size, chunk.Len()); err != nil {
 			return err
 		}
-		count += int64(len(resp.Kvs))
+		count += int64(chunk.Len())
 		var nextKey []byte
-		if resp.More {
-			last := resp.Kvs[len(resp.Kvs)-1].Key
-			nextKey = append(bytes.Clone(last), 0)
+		more := chunk.More
+		if more {
+			nextKey = append(bytes.Clone(chunk.LastKey()), 0)
 		}
-		out := &pb.RangeResponse{Kvs: resp.Kvs}
-		done := !resp.More || count == totalLimit
+		// A chunk holds key-values only; the last one, the header and
+		// the count and more of the whole range.
+		chunk.Header, chunk.More, chunk.Count = nil, false, 0
+		done := !more || count == totalLimit
 		if done {
-			out.Header = &pb.ResponseHeader{Revision: view.StoreRev}
-			s.follower.FillHeader(out.Header)
-			out.More = resp.More
-			out.Count = count
-			if resp.More {
+			chunk.Header = &pb.ResponseHeader{Revision: view.StoreRev}
+			s.follower.FillHeader(chunk.Header)
+			chunk.More = more
+			chunk.Count = count
+			if more {
 				rest := view.Range(&pb.RangeRequest{Key: nextKey, RangeEnd: r.RangeEnd, CountOnly: true}, opts)
-				out.Count += rest.Count
+				chunk.Count += rest.Count
 			}
 		}
-		err = s.sendChunk(stream, r, out)
+		err = s.sendChunk(stream, chunk)
 		s.releaseCached(held)
 		if err != nil || done {
 			return err
@@ -139,14 +141,14 @@ func (s *Server) rangeStreamFromView(rt route, req *pb.RangeRequest, opts revtre
 	}
 }
 
-// sendChunk sends out, a chunk of key-values View.Range returned for r,
-// encoded from the store's encodings of its key-values (see rangeMessage).
-func (s *Server) sendChunk(stream grpc.ServerStream, r *pb.RangeRequest, out *pb.RangeResponse) error {
-	outSize := revtree.RangeResponseSize(r, out)
+// sendChunk sends a chunk of the range, encoded from the store's encodings
+// of its key-values (see rangeMessage).
+func (s *Server) sendChunk(stream grpc.ServerStream, chunk *revtree.Result) error {
+	outSize := chunk.Size()
 	msg, err := wirecodec.NewEncodedOnce(rangeStreamResponseType, 1+protowire.SizeVarint(uint64(outSize))+outSize, func(b []byte) ([]byte, error) {
 		b = protowire.AppendTag(b, rangeStreamResponseField, protowire.BytesType)
 		b = protowire.AppendVarint(b, uint64(outSize))
-		return revtree.AppendRangeResponse(b, r, out)
+		return chunk.AppendTo(b)
 	})
 	if err != nil {
 		return status.Errorf(codes.Internal, "etcd-snapcache: encoding a range stream response: %v", err)

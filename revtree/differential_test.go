@@ -560,28 +560,38 @@ func (h *harness) check(req *pb.RangeRequest) {
 		if got.Kvs == nil {
 			h.t.Fatalf("degree %d: nil Kvs for %v (etcd always returns a slice)", h.degrees[i], req)
 		}
-		h.checkEncoding(req, got, want)
+		v, err := st.View(req.Revision)
+		if err != nil {
+			h.t.Fatal(err)
+		}
+		h.checkEncoding(req, v.Result(cloneRangeRequest(req), h.opts), want)
 	}
 }
 
-// checkEncoding verifies that the response encoded from the stored
+// checkEncoding verifies that the result encoded from the stored
 // key-values' encodings is byte for byte etcd's response as protobuf
 // encodes it, and that its size is computed right.
-func (h *harness) checkEncoding(req *pb.RangeRequest, got, want *pb.RangeResponse) {
+func (h *harness) checkEncoding(req *pb.RangeRequest, got *revtree.Result, want *pb.RangeResponse) {
 	h.t.Helper()
 	wantBytes, err := proto.Marshal(want)
 	if err != nil {
 		h.t.Fatal(err)
 	}
-	gotBytes, err := revtree.AppendRangeResponse(nil, req, got)
+	gotBytes, err := got.AppendTo(nil)
 	if err != nil {
 		h.t.Fatal(err)
 	}
 	if !bytes.Equal(gotBytes, wantBytes) {
 		h.t.Fatalf("request %v: encoded\n%x\netcd's response encodes as\n%x", req, gotBytes, wantBytes)
 	}
-	if n := revtree.RangeResponseSize(req, got); n != len(wantBytes) {
-		h.t.Fatalf("request %v: RangeResponseSize %d, encoded %d bytes", req, n, len(wantBytes))
+	if n := got.Size(); n != len(wantBytes) {
+		h.t.Fatalf("request %v: Result.Size %d, encoded %d bytes", req, n, len(wantBytes))
+	}
+	if n := got.Len(); n != len(want.Kvs) {
+		h.t.Fatalf("request %v: Result.Len %d, etcd %d", req, n, len(want.Kvs))
+	}
+	if len(want.Kvs) > 0 && !bytes.Equal(got.LastKey(), want.Kvs[len(want.Kvs)-1].Key) {
+		h.t.Fatalf("request %v: Result.LastKey %q, etcd %q", req, got.LastKey(), want.Kvs[len(want.Kvs)-1].Key)
 	}
 }
 

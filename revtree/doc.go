@@ -6,8 +6,10 @@
 // # Layout
 //
 // The key index (keyindex.go) is a B-tree of keys ordered by key, each with
-// its versions in revision order: the KeyValue a put stored, or nil for a
-// delete. The store also keeps one snapshot per retained revision, ordered
+// its versions in revision order: the KeyValue a put stored, or nothing for
+// a delete. A KeyValue is stored as its protobuf encoding (entry.go), with
+// the KeyValue struct beside it only while a retained event holds it: the
+// live keyspace costs its encodings, its versions and the tree. The store also keeps one snapshot per retained revision, ordered
 // by revision, holding that revision's events. Applying revision N appends
 // a version to each key its events touch (inserting the keys it creates)
 // and publishes snapshot N. A read at revision R takes the snapshot with

@@ -7,7 +7,6 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
-	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 )
 
@@ -21,10 +20,27 @@ import (
 // KeyValue's Key and Value are slices of it, in place of the separate key
 // and value a decoded KeyValue has.
 //
-// Invariant: every *mvccpb.KeyValue in a store's trees, and every Kv of a
-// put event the store applied, is the kv field of an entry made by
-// newEntry; entryOf relies on it. Delete events keep the tombstone they
-// came with.
+// A key-value is stored in one of two forms:
+//
+//   - an entry: the KeyValue struct, whose Key and Value are slices of
+//     its encoding. A put event's Kv, and the PrevKv of the event after
+//     it, are entries, which its version shares while the event is
+//     retained;
+//   - a bare encoding: the encoding alone, after its length as a varint
+//     (newBare), for the keyspace a load read and for a key whose last
+//     put's event history no longer holds (the sweep turns its entry
+//     into its bare encoding). A read makes a KeyValue of it (kvMaker):
+//     the 120-byte struct is most of what a key costs beside its value,
+//     and at a million keys it is 115 MiB that reads only need for the
+//     moment they answer.
+//
+// An entry's encoding follows its length too, so that the sweep turns an
+// entry into its bare encoding without a copy.
+//
+// Invariant: every *mvccpb.KeyValue a store gives out for a put (a read's,
+// an event's Kv and PrevKv) is the kv field of an entry, made by newEntry
+// or by a kvMaker; entryOf relies on it. Delete events keep the tombstone
+// they came with.
 
 // entry is a stored KeyValue with the length of its encoding, which starts
 // keyOffset bytes before kv.Key's first byte. kv comes first, so that a
@@ -34,11 +50,14 @@ import (
 type entry struct {
 	kv     mvccpb.KeyValue
 	encLen int32 // 0: no encoding (an empty key, or one past 2 GiB)
+	// canonical: the encoding is as newBare makes it (no unknown
+	// fields), so that it can be kept bare.
+	canonical bool
 }
 
 // newEntry returns the stored copy of kv: the same fields, its key and
 // value in one buffer that is also its encoding, the bytes proto.Marshal
-// gives for kv.
+// gives for kv, after its length.
 func newEntry(kv *mvccpb.KeyValue) *mvccpb.KeyValue {
 	e := &entry{}
 	unknown := kv.ProtoReflect().GetUnknown()
@@ -50,33 +69,128 @@ func newEntry(kv *mvccpb.KeyValue) *mvccpb.KeyValue {
 		setFields(&e.kv, kv, unknown)
 		return &e.kv
 	}
-	enc := make([]byte, 0, size)
-	enc = protowire.AppendTag(enc, 1, protowire.BytesType)
-	enc = protowire.AppendVarint(enc, uint64(len(kv.Key)))
-	keyStart := len(enc)
-	enc = append(enc, kv.Key...)
-	keyEnd := len(enc)
-	enc = appendVarintField(enc, 2, kv.CreateRevision)
-	enc = appendVarintField(enc, 3, kv.ModRevision)
-	enc = appendVarintField(enc, 4, kv.Version)
-	valueStart, valueEnd := 0, 0
-	if len(kv.Value) > 0 {
-		enc = protowire.AppendTag(enc, 5, protowire.BytesType)
-		enc = protowire.AppendVarint(enc, uint64(len(kv.Value)))
-		valueStart = len(enc)
-		enc = append(enc, kv.Value...)
-		valueEnd = len(enc)
-	}
-	enc = appendVarintField(enc, 6, kv.Lease)
-	enc = append(enc, unknown...)
+	buf := make([]byte, 0, protowire.SizeVarint(uint64(size))+size)
+	buf = protowire.AppendVarint(buf, uint64(size))
+	enc, key, value := appendEncoding(buf[len(buf):], kv, unknown)
 	// Three-index slices: an append to Key or Value never writes into
 	// the encoding.
-	e.kv.Key = enc[keyStart:keyEnd:keyEnd]
-	if valueEnd > valueStart {
-		e.kv.Value = enc[valueStart:valueEnd:valueEnd]
+	e.kv.Key = enc[key[0]:key[1]:key[1]]
+	if value[1] > value[0] {
+		e.kv.Value = enc[value[0]:value[1]:value[1]]
 	}
 	setFields(&e.kv, kv, unknown)
 	e.encLen = int32(len(enc))
+	e.canonical = len(unknown) == 0
+	return &e.kv
+}
+
+// newBare returns the bare encoding of kv: its encoding, as newEntry makes
+// it, after its length. It returns nil for a key-value that is kept as an
+// entry only: one with no key or unknown fields, or past 2 GiB.
+func newBare(kv *mvccpb.KeyValue) unsafe.Pointer {
+	if len(kv.Key) == 0 || len(kv.ProtoReflect().GetUnknown()) > 0 {
+		return nil
+	}
+	size := kvEncodedSize(kv, 0)
+	if size > 1<<31-1 {
+		return nil
+	}
+	buf := make([]byte, 0, protowire.SizeVarint(uint64(size))+size)
+	buf = protowire.AppendVarint(buf, uint64(size))
+	appendEncoding(buf, kv, nil)
+	return unsafe.Pointer(unsafe.SliceData(buf))
+}
+
+// appendEncoding appends kv's encoding, with unknown as its unknown
+// fields, to b, and returns it with where the key and the value are in
+// what it appended.
+func appendEncoding(b []byte, kv *mvccpb.KeyValue, unknown []byte) (out []byte, key, value [2]int) {
+	base := len(b)
+	b = protowire.AppendTag(b, 1, protowire.BytesType)
+	b = protowire.AppendVarint(b, uint64(len(kv.Key)))
+	key[0] = len(b) - base
+	b = append(b, kv.Key...)
+	key[1] = len(b) - base
+	b = appendVarintField(b, 2, kv.CreateRevision)
+	b = appendVarintField(b, 3, kv.ModRevision)
+	b = appendVarintField(b, 4, kv.Version)
+	if len(kv.Value) > 0 {
+		b = protowire.AppendTag(b, 5, protowire.BytesType)
+		b = protowire.AppendVarint(b, uint64(len(kv.Value)))
+		value[0] = len(b) - base
+		b = append(b, kv.Value...)
+		value[1] = len(b) - base
+	}
+	b = appendVarintField(b, 6, kv.Lease)
+	return append(b, unknown...), key, value
+}
+
+// bare returns the entry's bare encoding, which its Key and Value are
+// slices of; nil if it has none (newBare's cases).
+func (e *entry) bare() unsafe.Pointer {
+	if e.encLen == 0 || !e.canonical {
+		return nil
+	}
+	start := unsafe.Pointer(unsafe.SliceData(encoding(&e.kv)))
+	return unsafe.Add(start, -protowire.SizeVarint(uint64(e.encLen)))
+}
+
+// bareEncoding returns the encoding of a bare encoding, without its
+// length.
+func bareEncoding(p unsafe.Pointer) []byte {
+	// The length, a varint, read a byte at a time: the buffer may end
+	// a few bytes after it.
+	var n uint64
+	i := 0
+	for shift := 0; ; shift += 7 {
+		b := *(*byte)(unsafe.Add(p, i))
+		i++
+		n |= uint64(b&0x7f) << shift
+		if b < 0x80 {
+			break
+		}
+	}
+	return unsafe.Slice((*byte)(unsafe.Add(p, i)), n)
+}
+
+// bareKey returns the key of a bare encoding.
+func bareKey(p unsafe.Pointer) []byte {
+	enc := bareEncoding(p)
+	n, m := protowire.ConsumeVarint(enc[1:]) // the key's is the first field
+	return enc[1+m : 1+m+int(n) : 1+m+int(n)]
+}
+
+// bareEntry makes e the entry of a bare encoding: its KeyValue's Key and
+// Value are slices of it.
+func bareEntry(p unsafe.Pointer, e *entry) {
+	if !parseCanonical(bareEncoding(p), e) {
+		panic("revtree: a bare encoding that newBare did not make")
+	}
+}
+
+// kvMaker makes the KeyValues of bare encodings for one read, in slabs
+// that grow with the read: one allocation per slab, not per key-value.
+type kvMaker struct {
+	first int // entries of the first slab, if known (else 4)
+	slab  []entry
+	made  int
+}
+
+// maxKVSlab is the most entries in one slab of a kvMaker (128 KiB).
+const maxKVSlab = 1024
+
+func (m *kvMaker) make(p unsafe.Pointer) *mvccpb.KeyValue {
+	if len(m.slab) == 0 {
+		n := min(max(m.made, 4), maxKVSlab)
+		if m.made == 0 && m.first > 0 {
+			n = min(m.first, maxKVSlab)
+		}
+		m.slab = make([]entry, n)
+	}
+	e := &m.slab[0]
+	m.slab = m.slab[1:]
+	m.made++
+	bareEntry(p, e)
 	return &e.kv
 }
 
@@ -135,82 +249,6 @@ func encoding(kv *mvccpb.KeyValue) []byte {
 	return unsafe.Slice((*byte)(start), n)
 }
 
-// Field numbers and tags of RangeResponse (rpc.proto).
-const (
-	rangeHeaderTag = 1<<3 | 2 // header, length-delimited
-	rangeKVTag     = 2<<3 | 2 // kvs, length-delimited
-	rangeMoreTag   = 3<<3 | 0 // more, varint
-	rangeCountTag  = 4<<3 | 0 // count, varint
-)
-
-// RangeResponseSize returns the encoded size of resp, a response that
-// View.Range returned for r, with its header filled in since; the size
-// is proto.Size's, read from the stored encodings.
-func RangeResponseSize(r *pb.RangeRequest, resp *pb.RangeResponse) int {
-	n := 0
-	if resp.Header != nil {
-		n += bytesFieldSize(proto.Size(resp.Header))
-	}
-	for _, kv := range resp.Kvs {
-		if enc := storedEncoding(r, kv); enc != nil {
-			n += bytesFieldSize(len(enc))
-		} else {
-			n += bytesFieldSize(proto.Size(kv))
-		}
-	}
-	if resp.More {
-		n += 2
-	}
-	return n + varintFieldSize(resp.Count)
-}
-
-// storedEncoding returns the stored encoding of kv, a key-value of
-// View.Range's response to r; nil for the copies of a keys-only response,
-// which have none, and for a stored key-value without one.
-func storedEncoding(r *pb.RangeRequest, kv *mvccpb.KeyValue) []byte {
-	if r.KeysOnly {
-		return nil
-	}
-	return encoding(kv)
-}
-
-// AppendRangeResponse appends the encoding of resp, a response that
-// View.Range returned for r, with its header filled in since: the bytes
-// proto.Marshal gives, with each stored key-value's encoding copied
-// rather than made again.
-func AppendRangeResponse(b []byte, r *pb.RangeRequest, resp *pb.RangeResponse) ([]byte, error) {
-	var err error
-	if resp.Header != nil {
-		b = protowire.AppendVarint(b, rangeHeaderTag)
-		b = protowire.AppendVarint(b, uint64(proto.Size(resp.Header)))
-		if b, err = (proto.MarshalOptions{UseCachedSize: true}).MarshalAppend(b, resp.Header); err != nil {
-			return nil, err
-		}
-	}
-	for _, kv := range resp.Kvs {
-		enc := storedEncoding(r, kv)
-		if enc == nil {
-			b = protowire.AppendVarint(b, rangeKVTag)
-			b = protowire.AppendVarint(b, uint64(proto.Size(kv)))
-			if b, err = (proto.MarshalOptions{UseCachedSize: true}).MarshalAppend(b, kv); err != nil {
-				return nil, err
-			}
-			continue
-		}
-		b = protowire.AppendVarint(b, rangeKVTag)
-		b = protowire.AppendVarint(b, uint64(len(enc)))
-		b = append(b, enc...)
-	}
-	if resp.More {
-		b = append(b, rangeMoreTag, 1)
-	}
-	if resp.Count != 0 {
-		b = protowire.AppendVarint(b, rangeCountTag)
-		b = protowire.AppendVarint(b, uint64(resp.Count))
-	}
-	return b, nil
-}
-
 // AppendKeyValue appends the protobuf encoding of kv, the bytes
 // proto.Marshal gives, copied from the stored encoding. kv must be a
 // KeyValue of the store: one a View returned, or the Kv or PrevKv of a put
@@ -246,64 +284,105 @@ func DecodeKeyValue(enc []byte) (*mvccpb.KeyValue, error) {
 	return newEntry(kv), nil
 }
 
-// decodeCanonical is DecodeKeyValue for an encoding as newEntry makes it:
-// key first and not empty, then each other field once, in field order,
-// none at its default value, nothing unknown.
+// decodeCanonical is DecodeKeyValue for an encoding as newEntry makes it
+// (parseCanonical), copied after its length.
 func decodeCanonical(enc []byte) (*mvccpb.KeyValue, bool) {
 	if len(enc) == 0 || len(enc) > 1<<31-1 {
 		return nil, false
 	}
-	e := &entry{encLen: int32(len(enc))}
-	buf := make([]byte, len(enc))
-	copy(buf, enc)
-	b := buf
-	last := protowire.Number(0)
-	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
-		if n < 0 || num <= last || num > 6 {
-			return nil, false
-		}
-		b, last = b[n:], num
-		switch typ {
-		case protowire.BytesType:
-			v, n := protowire.ConsumeBytes(b)
-			if n < 0 || len(v) == 0 {
-				return nil, false
-			}
-			off := len(buf) - len(b) + n - len(v)
-			switch num {
-			case 1:
-				e.kv.Key = buf[off : off+len(v) : off+len(v)]
-			case 5:
-				e.kv.Value = buf[off : off+len(v) : off+len(v)]
-			default:
-				return nil, false
-			}
-			b = b[n:]
-		case protowire.VarintType:
-			v, n := protowire.ConsumeVarint(b)
-			if n < 0 || v == 0 || n != protowire.SizeVarint(v) {
-				return nil, false
-			}
-			switch num {
-			case 2:
-				e.kv.CreateRevision = int64(v)
-			case 3:
-				e.kv.ModRevision = int64(v)
-			case 4:
-				e.kv.Version = int64(v)
-			case 6:
-				e.kv.Lease = int64(v)
-			default:
-				return nil, false
-			}
-			b = b[n:]
-		default:
-			return nil, false
-		}
-	}
-	if e.kv.Key == nil || &e.kv.Key[0] != &buf[1+protowire.SizeVarint(uint64(len(e.kv.Key)))] {
+	prefix := protowire.SizeVarint(uint64(len(enc)))
+	buf := make([]byte, prefix+len(enc))
+	protowire.AppendVarint(buf[:0], uint64(len(enc)))
+	copy(buf[prefix:], enc)
+	e := &entry{}
+	if !parseCanonical(buf[prefix:], e) {
 		return nil, false
 	}
 	return &e.kv, true
+}
+
+// parseCanonical makes e, a zero entry, the entry of enc, an encoding as
+// newEntry makes it: key first and not empty, then each other field once,
+// in field order, none at its default value, nothing unknown. e's Key and
+// Value are slices of enc. It reports false for any other encoding. Every
+// read of a bare encoding parses it: the fields are read in their order,
+// not looked up.
+func parseCanonical(enc []byte, e *entry) bool {
+	if len(enc) < 3 || len(enc) > 1<<31-1 || enc[0] != 1<<3|byte(protowire.BytesType) {
+		return false
+	}
+	key, i, ok := bytesAt(enc, 1)
+	if !ok {
+		return false
+	}
+	e.kv.Key = key
+	last := protowire.Number(1)
+	for i < len(enc) {
+		tag := enc[i]
+		num, typ := protowire.Number(tag>>3), protowire.Type(tag&7)
+		if tag >= 0x80 || num <= last || num > 6 {
+			return false
+		}
+		i++
+		last = num
+		if num == 5 {
+			if typ != protowire.BytesType {
+				return false
+			}
+			var value []byte
+			if value, i, ok = bytesAt(enc, i); !ok {
+				return false
+			}
+			e.kv.Value = value
+			continue
+		}
+		if typ != protowire.VarintType {
+			return false
+		}
+		var v uint64
+		if v, i, ok = varintAt(enc, i); !ok || v == 0 {
+			return false
+		}
+		switch num {
+		case 2:
+			e.kv.CreateRevision = int64(v)
+		case 3:
+			e.kv.ModRevision = int64(v)
+		case 4:
+			e.kv.Version = int64(v)
+		case 6:
+			e.kv.Lease = int64(v)
+		default: // 1: a second key
+			return false
+		}
+	}
+	e.encLen, e.canonical = int32(len(enc)), true
+	return true
+}
+
+// varintAt reads the varint at b[i:], which must be as short as it can be,
+// and returns it and the index after it.
+func varintAt(b []byte, i int) (uint64, int, bool) {
+	if i < len(b) && b[i] < 0x80 {
+		return uint64(b[i]), i + 1, true // most are one byte
+	}
+	if i >= len(b) {
+		return 0, i, false
+	}
+	v, n := protowire.ConsumeVarint(b[i:])
+	if n < 0 || n != protowire.SizeVarint(v) {
+		return 0, i, false
+	}
+	return v, i + n, true
+}
+
+// bytesAt reads the length-delimited field value, not empty, at b[i:], and
+// returns it (a three-index slice of b) and the index after it.
+func bytesAt(b []byte, i int) ([]byte, int, bool) {
+	n, i, ok := varintAt(b, i)
+	if !ok || n == 0 || n > uint64(len(b)-i) {
+		return nil, i, false
+	}
+	end := i + int(n)
+	return b[i:end:end], end, true
 }

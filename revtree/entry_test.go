@@ -75,7 +75,11 @@ func TestEntryWithoutEncoding(t *testing.T) {
 	}
 	resp := &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: 3}, Kvs: []*mvccpb.KeyValue{stored, newEntry(&mvccpb.KeyValue{Key: []byte("a")})}, Count: 2}
 	want, _ := proto.Marshal(resp)
-	got, err := AppendRangeResponse(nil, &pb.RangeRequest{}, resp)
+	x := &Result{Header: resp.Header, Count: resp.Count, r: &pb.RangeRequest{}, kvs: resp.Kvs, made: true}
+	got, err := x.AppendTo(nil)
+	if x.Size() != len(want) {
+		t.Errorf("size %d, encoded %d bytes", x.Size(), len(want))
+	}
 	if err != nil || !bytes.Equal(got, want) {
 		t.Fatalf("encoded %x, %v; want %x", got, err, want)
 	}

@@ -6,8 +6,6 @@ import (
 	"sort"
 	"sync"
 	"unsafe"
-
-	"go.etcd.io/etcd/api/v3/mvccpb"
 )
 
 // Bounds of the flattened-range cache. A kube-apiserver LIST reads one range
@@ -31,10 +29,10 @@ const (
 // and its count, for the budget's estimate, a binary search.
 //
 // Entries are immutable once cached: a snapshot never changes, and neither
-// do its KeyValues. An entry never outlives its snapshot in the store: it
-// would keep a tree alive that history no longer counts. The KeyValues an
-// entry points to are its snapshot's, so an entry costs its slice of
-// pointers (flatRange.bytes), which the history budget counts.
+// do its versions. An entry never outlives its snapshot in the store: it
+// would keep a tree alive that history no longer counts. An entry costs
+// its slice of versions (what they hold is the store's): flatRange.bytes,
+// which the history budget counts.
 //
 // Which snapshots are still the store's: those of the store's current
 // generation (a Reset or Unload starts a new one) from revision floor on,
@@ -61,8 +59,8 @@ type flatRange struct {
 	gen   uint64    // the store's generation when the snapshot was read
 	start []byte    // first key the slice may hold
 	end   []byte    // exclusive; empty means unbounded
-	kvs   []*mvccpb.KeyValue
-	bytes int64 // estimated memory of the entry
+	vs    []version // each key's, all puts
+	bytes int64     // estimated memory of the entry
 	// whole marks an entry made by a read without a limit: evicted
 	// before any made for pages, so that unlimited reads at ever new
 	// revisions (LISTs at the head while etcd is written) never push out
@@ -71,9 +69,9 @@ type flatRange struct {
 	whole bool
 }
 
-func newFlatRange(snap *snapshot, gen uint64, start, end []byte, kvs []*mvccpb.KeyValue, whole bool) *flatRange {
-	return &flatRange{snap: snap, gen: gen, start: start, end: end, kvs: kvs, whole: whole,
-		bytes: sizeClass(int64(8*cap(kvs))) + sizeClass(int64(unsafe.Sizeof(flatRange{}))) + bytesAlloc(len(start)) + bytesAlloc(len(end))}
+func newFlatRange(snap *snapshot, gen uint64, start, end []byte, vs []version, whole bool) *flatRange {
+	return &flatRange{snap: snap, gen: gen, start: start, end: end, vs: vs, whole: whole,
+		bytes: sizeClass(int64(unsafe.Sizeof(version{}))*int64(cap(vs))) + sizeClass(int64(unsafe.Sizeof(flatRange{}))) + bytesAlloc(len(start)) + bytesAlloc(len(end))}
 }
 
 // get returns the cached slice of [start, end) of snap that covers key on,
@@ -158,21 +156,18 @@ func (f *flatRanges) size() int64 {
 	return f.bytes
 }
 
-// page returns up to limit key-values of the entry from key on, and how
+// page returns up to limit versions of the entry from key on, and how
 // many it holds from key on.
-func (e *flatRange) page(key []byte, limit int64) ([]*mvccpb.KeyValue, int64) {
-	rest := e.kvs[e.search(key):]
+func (e *flatRange) page(key []byte, limit int64) ([]version, int64) {
+	rest := e.vs[e.search(key):]
 	n := min(int64(len(rest)), limit)
-	// A copy: the caller may truncate or rewrite its results.
-	out := make([]*mvccpb.KeyValue, n)
-	copy(out, rest)
-	return out, int64(len(rest))
+	return rest[:n:n], int64(len(rest)) // readers never change versions
 }
 
-// count returns how many key-values the entry holds from key on.
-func (e *flatRange) count(key []byte) int64 { return int64(len(e.kvs) - e.search(key)) }
+// count returns how many versions the entry holds from key on.
+func (e *flatRange) count(key []byte) int64 { return int64(len(e.vs) - e.search(key)) }
 
-// search returns the index of the entry's first key-value from key on.
+// search returns the index of the entry's first version from key on.
 func (e *flatRange) search(key []byte) int {
-	return sort.Search(len(e.kvs), func(i int) bool { return bytes.Compare(e.kvs[i].Key, key) >= 0 })
+	return sort.Search(len(e.vs), func(i int) bool { return bytes.Compare(e.vs[i].key(), key) >= 0 })
 }

@@ -74,7 +74,7 @@ func TestFlatRangesPaginate(t *testing.T) {
 		t.Fatalf("cache holds %d ranges, %d bytes", len(s.flat.entries), s.flat.bytes)
 	}
 	for _, e := range s.flat.entries {
-		for _, kv := range e.kvs {
+		for _, kv := range makeKVs(e.vs) {
 			if len(kv.Value) == 0 {
 				t.Fatalf("keys_only rewrote a cached KeyValue %q", kv.Key)
 			}

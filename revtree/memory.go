@@ -3,6 +3,8 @@ package revtree
 import (
 	"unsafe"
 
+	"google.golang.org/protobuf/encoding/protowire"
+
 	"go.etcd.io/etcd/api/v3/mvccpb"
 )
 
@@ -13,28 +15,33 @@ import (
 // estimate is the object's size rounded up to the Go allocator's size class
 // (sizeClass), which is what the heap really spends on it.
 //
-//   - A stored KeyValue (entry.go): the entry (unsafe.Sizeof, 128
-//     bytes: the KeyValue struct and its encoding's length), plus its
-//     encoding, which holds its key and value (storedBytes). A delete's
+//   - A stored KeyValue (entry.go): its encoding after its length, which
+//     holds its key and value (bareBytes), plus, for an entry, the entry
+//     (unsafe.Sizeof, 128 bytes: the KeyValue struct and its encoding's
+//     length; storedBytes). A read's KeyValues made of bare encodings
+//     are the read's, in slabs (kvMaker), counted only when the
+//     flattened-range cache keeps them. A delete's
 //     tombstone is as the protobuf decoder of a watch response makes it:
 //     the struct (120 bytes, class 128), its key and its value, each a
 //     separate allocation (kvBytes).
 //   - An Event: the struct (64 bytes), plus its slot in the events slice of
 //     the watch response (8 bytes). A delete's Kv is a tombstone KeyValue
 //     of its own (a key, no value); a put's Kv is the stored KeyValue.
-//   - A key's history (keyindex.go): the keyHistory (its key is a
-//     KeyValue's), its versions header and its array of 16-byte versions,
-//     whose capacity doubles as it fills (keyHistoryBytes).
+//   - A key's history (keyindex.go): the keyHistory (8 bytes: its key is
+//     an encoding's) and its array of 16-byte versions after a header
+//     (24 bytes for one version), whose capacity doubles as it fills
+//     (keyHistoryBytes).
 //   - The index's B-tree (github.com/google/btree): each node is the node
 //     struct (56 bytes, class 64), its items array and, for an inner node,
 //     its children array. Arrays grow by append, so a node of degree d
 //     holds capacity for 2d-1 items and 2d children rounded up to a power
-//     of two (16 and 16 at degree 8: 128 bytes each). A load inserts keys
-//     in order, which leaves every node half full, d-1 items, and every
-//     inner node with d children; the root holds what is left.
+//     of two (16 and 16 at degree 8: 128 bytes each). A load inserts every
+//     other key in order, which leaves every node half full, d-1 items,
+//     and every inner node with d children, and then the rest, which
+//     fills the leaves (newIndex); the root holds what is left.
 //     shape.levels computes the levels for n items from that. Trees grown
-//     by random inserts are fuller (about 0.7 of 2d-1 items per node) and
-//     a little shallower. A revision that inserts or removes a key copies
+//     by random inserts have leaves about 0.7 full: a few bytes per key
+//     more than the estimate. A revision that inserts or removes a key copies
 //     the nodes on its path while a view shares them: garbage once no
 //     view holds the old tree, so not counted.
 //   - A snapshot: the snapshot struct and its slot in the index of
@@ -104,7 +111,7 @@ var (
 	nodeStructBytes  = sizeClass(2*24 + 8)                                 // items, children (slices), cow (pointer)
 	snapshotOverhead = sizeClass(int64(unsafe.Sizeof(snapshot{}))) +
 		20 // the slot in the snapshot index: a degree-32 B-tree of pointers, appended in order, so half-full nodes
-	keyHistoryStructBytes = sizeClass(int64(unsafe.Sizeof(keyHistory{}))) + sizeClass(int64(unsafe.Sizeof(versions{})))
+	keyHistoryStructBytes = sizeClass(int64(unsafe.Sizeof(keyHistory{})))
 )
 
 // dirtyKeyBytes estimates a key marked for the sweep: its entry in the
@@ -112,9 +119,13 @@ var (
 // 7/8 full that doubles as it grows) and in the sweep's sorted list.
 const dirtyKeyBytes = 48
 
-// versionArrayBytes is the heap an array of capacity versions takes.
+// versionArrayBytes is the heap an array of capacity versions takes: the
+// slots after the header (versionArray).
 func versionArrayBytes(capacity int) int64 {
-	return sizeClass(int64(capacity) * int64(unsafe.Sizeof(version{})))
+	if capacity == 1 {
+		return sizeClass(int64(unsafe.Sizeof(versionArray1{})))
+	}
+	return sizeClass(int64(capacity+1) * int64(unsafe.Sizeof(version{})))
 }
 
 // keyHistoryBytes estimates a key's history with an array of capacity
@@ -129,13 +140,31 @@ func kvBytes(kv *mvccpb.KeyValue) int64 {
 	return kvStructBytes + bytesAlloc(len(kv.Key)) + bytesAlloc(len(kv.Value))
 }
 
-// storedBytes estimates a stored KeyValue's memory (entry.go): the entry,
-// the size of a KeyValue, and its encoding, which holds its key and value.
+// storedBytes estimates an entry's memory (entry.go): the entry, the size
+// of a KeyValue, and its encoding after its length, which holds its key
+// and value.
 func storedBytes(kv *mvccpb.KeyValue) int64 {
 	if n := entryOf(kv).encLen; n != 0 {
-		return entryBytes + sizeClass(int64(n))
+		return entryBytes + encodingBytes(int(n))
 	}
 	return entryBytes + bytesAlloc(len(kv.Key)) + bytesAlloc(len(kv.Value))
+}
+
+// encodingBytes is the heap an encoding of n bytes after its length takes.
+func encodingBytes(n int) int64 {
+	return bytesAlloc(protowire.SizeVarint(uint64(n)) + n)
+}
+
+// versionBytes estimates what a version holds: its entry or its bare
+// encoding; nothing for a delete.
+func versionBytes(v version) int64 {
+	switch {
+	case !v.isPut():
+		return 0
+	case v.isBare():
+		return encodingBytes(len(bareEncoding(v.p)))
+	}
+	return storedBytes(&v.entry().kv)
 }
 
 // pow2 returns the least power of two >= n (n >= 1).
@@ -177,9 +206,10 @@ func (sh shape) levels(n int, buf *[64]level) []level {
 	case n <= 2*d-1: // a leaf root
 		return append(out, level{1, nodeStructBytes + sizeClass(int64(8*pow2(n))), n})
 	}
-	// Half-full nodes: each leaf holds d-1 items and gives one to its
-	// parent, each inner node has d children and d-1 items.
-	nodes := (n + d - 1) / d
+	// Full leaves, half-full inner nodes (a load's, newIndex): each leaf
+	// holds 2d-1 items and gives one to its parent, each inner node has d
+	// children and d-1 items.
+	nodes := (n + 2*d - 1) / (2 * d)
 	out = append(out, level{nodes, sh.leaf, 0})
 	inner := 0
 	for nodes > 2*d && len(out) < len(buf)-1 {

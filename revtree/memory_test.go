@@ -163,11 +163,14 @@ func TestMemoryEstimate(t *testing.T) {
 			}
 			h2 := liveHeapNow()
 			histEst := s.HistoryBytes()
-			totalEst := s.ApproxBytes() - liveEst
+			approx := s.ApproxBytes()
+			totalEst := approx - liveEst
 
-			s.SetMaxHistoryBytes(1) // everything but the newest snapshot
+			// Everything but the newest snapshot goes, and the keys its
+			// events wrote keep their bare encodings (sweep.go).
+			s.SetMaxHistoryBytes(1)
 			h3 := liveHeapNow()
-			freedEst := histEst - s.HistoryBytes()
+			freedEst := approx - s.ApproxBytes()
 			runtime.KeepAlive(s)
 			runtime.KeepAlive(w)
 
@@ -186,6 +189,42 @@ func TestMemoryEstimate(t *testing.T) {
 				t.Errorf("after trimming: %d snapshots, compaction revision %d; want 1, 0", s.Snapshots(), s.CompactRev())
 			}
 		})
+	}
+}
+
+// TestLoadedKeyspaceMemory: a keyspace of 1 KiB values, loaded page by
+// page as from etcd, takes at most 1.15 times its keys' and values' bytes
+// of live heap (the bound; BenchmarkKeyspaceMemory measures the
+// process), and the estimate is within 5% of it.
+func TestLoadedKeyspaceMemory(t *testing.T) {
+	const keys, value, page = 20_000, 1024, 1000
+	w := newMemWorkload(keys, 0, value)
+	s := New(0)
+	h0 := liveHeapNow()
+	l := s.NewLoad()
+	var data int64
+	w.loaded = keys
+	for start := 0; start < keys; start += page {
+		kvs := make([]*mvccpb.KeyValue, page)
+		for i := range kvs {
+			w.rev++
+			kvs[i] = w.kv(start + i)
+			data += int64(len(kvs[i].Key) + len(kvs[i].Value))
+		}
+		l.Add(kvs)
+	}
+	w.n = keys
+	s.ResetLoad(w.rev, l, 0)
+	h1 := liveHeapNow()
+	runtime.KeepAlive(s)
+	ratio := float64(h1-h0) / float64(data)
+	t.Logf("%d keys: %d B/key of live heap (estimate %d) for %d B/key of data: %.3fx",
+		keys, (h1-h0)/keys, s.ApproxBytes()/keys, data/keys, ratio)
+	if ratio > 1.15 {
+		t.Errorf("the loaded keyspace takes %.3fx its data; want at most 1.15x", ratio)
+	}
+	if !within(s.ApproxBytes(), h1-h0, 0.05) {
+		t.Errorf("loaded keyspace: estimate %d, heap %d", s.ApproxBytes(), h1-h0)
 	}
 }
 

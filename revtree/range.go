@@ -3,7 +3,6 @@ package revtree
 import (
 	"bytes"
 	"math"
-	"slices"
 	"sort"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
@@ -33,23 +32,42 @@ func (s *Store) Range(r *pb.RangeRequest, opts RangeOptions) (*pb.RangeResponse,
 
 // Range executes r on the view, ignoring r.Revision (see Store.Range).
 func (v View) Range(r *pb.RangeRequest, opts RangeOptions) *pb.RangeResponse {
-	resp := &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: v.StoreRev}}
+	return v.Result(r, opts).Response()
+}
+
+// Result executes r on the view, as Range does, and returns its answer
+// kept as the store's key-values: a response in key order, without
+// revision filters or keys_only (most are: every LIST) is sized and
+// encoded straight from the stored encodings, without the KeyValues that
+// Range makes of them.
+func (v View) Result(r *pb.RangeRequest, opts RangeOptions) *Result {
+	x := &Result{Header: &pb.ResponseHeader{Revision: v.StoreRev}, r: r}
 	if r.CountOnly {
-		resp.Count = v.count(r.Key, r.RangeEnd)
-		resp.Kvs = []*mvccpb.KeyValue{}
-		return resp
+		x.Count = v.count(r.Key, r.RangeEnd)
+		x.kvs, x.made = []*mvccpb.KeyValue{}, true
+		return x
 	}
-	kvs, count := v.collect(r.Key, r.RangeEnd, rangeLimit(r))
+	vs, count := v.collect(r.Key, r.RangeEnd, rangeLimit(r))
+	x.Count = count
+	if !r.KeysOnly && !hasRevisionFilters(r) && isDefaultOrdering(r.SortTarget, sortOrder(r)) {
+		if r.Limit > 0 && len(vs) > int(r.Limit) {
+			vs = vs[:r.Limit]
+			x.More = true
+		}
+		x.vs = vs
+		return x
+	}
+	kvs := makeKVs(vs)
 	kvs = filterKVs(kvs, r)
 	sortKVs(kvs, r)
 	if r.Limit > 0 && len(kvs) > int(r.Limit) {
 		kvs = kvs[:r.Limit]
-		resp.More = true
+		x.More = true
 	}
 	if r.KeysOnly {
 		dropLease := opts.KeysOnlyWithoutLease && r.SortTarget != pb.RangeRequest_VALUE
 		for i, kv := range kvs {
-			// Copy: the stored KeyValue is shared by every snapshot.
+			// Copy: a stored KeyValue is shared by every snapshot.
 			stripped := &mvccpb.KeyValue{
 				Key:            kv.Key,
 				CreateRevision: kv.CreateRevision,
@@ -63,9 +81,8 @@ func (v View) Range(r *pb.RangeRequest, opts RangeOptions) *pb.RangeResponse {
 			kvs[i] = stripped
 		}
 	}
-	resp.Count = count
-	resp.Kvs = kvs
-	return resp
+	x.kvs, x.made = kvs, true
+	return x
 }
 
 // rangeLimit is how many results the scan keeps: everything when results
@@ -112,7 +129,7 @@ func upperBound(rangeEnd []byte) []byte {
 
 func (v View) count(key, rangeEnd []byte) int64 {
 	if isSingleKey(rangeEnd) {
-		if _, ok := v.Get(key); ok {
+		if _, ok := v.at(key); ok {
 			return 1
 		}
 		return 0
@@ -127,21 +144,21 @@ func (v View) count(key, rangeEnd []byte) int64 {
 		}
 	}
 	var n int64
-	v.Ascend(key, end, func(*mvccpb.KeyValue) bool {
+	v.ascend(key, end, func(version) bool {
 		n++
 		return true
 	})
 	return n
 }
 
-// collect returns up to limit key-values of the range (all if limit <= 0)
-// and the number of keys in the whole range.
-func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, int64) {
+// collect returns the versions of up to limit keys of the range (all if
+// limit <= 0) and the number of keys in the whole range.
+func (v View) collect(key, rangeEnd []byte, limit int64) ([]version, int64) {
 	if isSingleKey(rangeEnd) {
-		if kv, ok := v.Get(key); ok {
-			return []*mvccpb.KeyValue{kv}, 1
+		if ver, ok := v.at(key); ok {
+			return []version{ver}, 1
 		}
-		return []*mvccpb.KeyValue{}, 0
+		return nil, 0
 	}
 	end := upperBound(rangeEnd)
 	if limit > 0 && v.flat != nil {
@@ -150,7 +167,7 @@ func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, in
 		if e := v.flat.get(v.snap, key, end); e != nil {
 			return e.page(key, limit)
 		}
-		all := v.scan(key, end, 0)
+		all := v.scan(key, end)
 		if int64(len(all)) > limit {
 			e := newFlatRange(v.snap, v.gen, key, end, all, false)
 			v.flat.put(e)
@@ -160,7 +177,7 @@ func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, in
 	}
 	if limit <= 0 {
 		if v.flat == nil {
-			all := v.scan(key, end, 0)
+			all := v.scan(key, end)
 			return all, int64(len(all))
 		}
 		// A large range read again at the same revision (the LISTs of
@@ -169,66 +186,89 @@ func (v View) collect(key, rangeEnd []byte, limit int64) ([]*mvccpb.KeyValue, in
 		if e := v.flat.get(v.snap, key, end); e != nil {
 			return e.page(key, math.MaxInt64)
 		}
-		all := v.scan(key, end, 0)
+		all := v.scan(key, end)
 		if len(all) >= v.flat.minKVs {
-			// The caller may truncate or rewrite its results.
-			v.flat.put(newFlatRange(v.snap, v.gen, key, end, slices.Clone(all), true))
+			v.flat.put(newFlatRange(v.snap, v.gen, key, end, all, true))
 		}
 		return all, int64(len(all))
 	}
-	var kvs []*mvccpb.KeyValue
+	var vs []version
 	var n int64
-	v.Ascend(key, end, func(kv *mvccpb.KeyValue) bool {
-		if limit <= 0 || int64(len(kvs)) < limit {
-			kvs = append(kvs, kv)
+	v.ascend(key, end, func(ver version) bool {
+		if int64(len(vs)) < limit {
+			vs = append(vs, ver)
 		}
 		n++
 		return true
 	})
-	if kvs == nil {
-		kvs = []*mvccpb.KeyValue{}
-	}
-	return kvs, n
+	return vs, n
 }
 
-// scan returns every key-value of [key, end).
-func (v View) scan(key, end []byte, sizeHint int) []*mvccpb.KeyValue {
-	kvs := make([]*mvccpb.KeyValue, 0, sizeHint)
-	v.Ascend(key, end, func(kv *mvccpb.KeyValue) bool {
-		kvs = append(kvs, kv)
+// scan returns the versions of every key of [key, end).
+func (v View) scan(key, end []byte) []version {
+	var vs []version
+	v.ascend(key, end, func(ver version) bool {
+		vs = append(vs, ver)
 		return true
 	})
+	return vs
+}
+
+// makeKVs returns the KeyValues of vs, each a put's.
+func makeKVs(vs []version) []*mvccpb.KeyValue {
+	kvs := make([]*mvccpb.KeyValue, len(vs))
+	m := kvMaker{first: len(vs)}
+	for i, ver := range vs {
+		kvs[i] = ver.kv(&m)
+	}
 	return kvs
+}
+
+// at returns the version of key in the view, if the key exists.
+func (v View) at(key []byte) (version, bool) {
+	h, ok := v.index.Get(searchFor(key))
+	if !ok {
+		return version{}, false
+	}
+	return h.at(v.snap.rev)
 }
 
 // Get returns the key-value of key in the view, if it exists.
 func (v View) Get(key []byte) (*mvccpb.KeyValue, bool) {
-	h, ok := v.index.Get(&keyHistory{key: key})
+	ver, ok := v.at(key)
 	if !ok {
 		return nil, false
 	}
-	kv := h.at(v.snap.rev)
-	return kv, kv != nil
+	m := kvMaker{first: 1}
+	return ver.kv(&m), true
 }
 
 // Ascend calls fn for every key-value in [key, end) in key order until fn
 // returns false. An empty end means no upper bound.
 func (v View) Ascend(key, end []byte, fn func(*mvccpb.KeyValue) bool) {
+	var m kvMaker
+	v.ascend(key, end, func(ver version) bool { return fn(ver.kv(&m)) })
+}
+
+// ascend calls fn with the version at the view's revision of every key in
+// [key, end) that has one, in key order, until fn returns false. An empty
+// end means no upper bound.
+func (v View) ascend(key, end []byte, fn func(version) bool) {
 	rev := v.snap.rev
 	each := func(h *keyHistory) bool {
-		if kv := h.at(rev); kv != nil {
-			return fn(kv)
+		if ver, ok := h.at(rev); ok {
+			return fn(ver)
 		}
 		return true
 	}
 	if len(end) == 0 {
-		v.index.AscendGreaterOrEqual(&keyHistory{key: key}, each)
+		v.index.AscendGreaterOrEqual(searchFor(key), each)
 		return
 	}
 	if bytes.Compare(key, end) >= 0 {
 		return
 	}
-	v.index.AscendRange(&keyHistory{key: key}, &keyHistory{key: end}, each)
+	v.index.AscendRange(searchFor(key), searchFor(end), each)
 }
 
 func filterKVs(kvs []*mvccpb.KeyValue, r *pb.RangeRequest) []*mvccpb.KeyValue {
@@ -251,11 +291,17 @@ func filterKVs(kvs []*mvccpb.KeyValue, r *pb.RangeRequest) []*mvccpb.KeyValue {
 
 // sortKVs sorts as etcd does: sort.Sort (not stable) over the key-ordered
 // results with etcd's comparisons, so that ties come out in etcd's order.
-func sortKVs(kvs []*mvccpb.KeyValue, r *pb.RangeRequest) {
-	order := r.SortOrder
-	if r.SortTarget != pb.RangeRequest_KEY && order == pb.RangeRequest_NONE {
-		order = pb.RangeRequest_ASCEND
+// sortOrder is the order sortKVs sorts r's results in: etcd sorts by any
+// target but the key ascending when r gives no order.
+func sortOrder(r *pb.RangeRequest) pb.RangeRequest_SortOrder {
+	if r.SortTarget != pb.RangeRequest_KEY && r.SortOrder == pb.RangeRequest_NONE {
+		return pb.RangeRequest_ASCEND
 	}
+	return r.SortOrder
+}
+
+func sortKVs(kvs []*mvccpb.KeyValue, r *pb.RangeRequest) {
+	order := sortOrder(r)
 	if isDefaultOrdering(r.SortTarget, order) {
 		return
 	}

@@ -1,6 +1,7 @@
 package revtree
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"sync"
@@ -212,14 +213,37 @@ func (s *Store) publishLocked() {
 // etcd's compaction revision as known to the caller; it never moves the
 // store's compaction revision backwards.
 func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
-	s.reset(rev, kvs, compactRev, false)
+	vs := make([]version, len(kvs))
+	for i, kv := range kvs {
+		vs[i] = loadedVersion(kv)
+	}
+	s.reset(rev, vs, compactRev)
 }
 
-// reset is Reset of kvs, which are the store's copies already if stored.
-func (s *Store) reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64, stored bool) {
+// loadedVersion is the version the store keeps of kv, a key-value of a
+// keyspace it loads: its bare encoding, or a copy as an entry if it has
+// none.
+func loadedVersion(kv *mvccpb.KeyValue) version {
+	if p := newBare(kv); p != nil {
+		return bareVersion(kv.ModRevision, p)
+	}
+	return putVersion(kv.ModRevision, newEntry(kv))
+}
+
+// storedVersion is the version of an entry the store keeps as a key's
+// only one: its bare encoding if it has one.
+func storedVersion(kv *mvccpb.KeyValue) version {
+	if p := entryOf(kv).bare(); p != nil {
+		return bareVersion(kv.ModRevision, p)
+	}
+	return putVersion(kv.ModRevision, kv)
+}
+
+// reset is Reset of vs, the versions of the keyspace, each a put's.
+func (s *Store) reset(rev int64, vs []version, compactRev int64) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	index, live, indexBytes := s.newIndex(kvs, stored)
+	index, live, indexBytes := s.newIndex(vs)
 	s.index, s.indexChanged = index, true
 	snaps := btree.NewG(32, snapshotLess)
 	snaps.ReplaceOrInsert(&snapshot{rev: rev})
@@ -232,21 +256,43 @@ func (s *Store) reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64, store
 	s.liveKeys, s.indexKeys = index.Len(), index.Len()
 }
 
-// newIndex returns a key index of the store's copies of kvs (kvs
-// themselves if stored), with the bytes of its KeyValues and of its keys'
-// histories.
-func (s *Store) newIndex(kvs []*mvccpb.KeyValue, stored bool) (index *btree.BTreeG[*keyHistory], live, indexBytes int64) {
+// newIndex returns a key index of one version of each key, vs (each a
+// put's; of a key given twice, the last), with the bytes of what they hold
+// and of its keys' histories.
+//
+// Keys in order (as a load reads them) are inserted every other one first,
+// then the rest: in order, each node the tree splits would stay half full
+// (it splits in the middle and is never inserted into again); the second
+// pass fills those halves, so that the leaves end full (memory.go).
+func (s *Store) newIndex(vs []version) (index *btree.BTreeG[*keyHistory], live, indexBytes int64) {
 	index = btree.NewG(s.degree, keyHistoryLess)
-	for _, kv := range kvs {
-		if !stored {
-			kv = newEntry(kv)
+	hs := make([]*keyHistory, len(vs))
+	ordered := true
+	for i, v := range vs {
+		hs[i] = newKeyHistory([]version{v}, 1)
+		if ordered && i > 0 && bytes.Compare(hs[i-1].key(), hs[i].key()) >= 0 {
+			ordered = false
 		}
-		if old, replaced := index.ReplaceOrInsert(newKeyHistory([]version{{rev: kv.ModRevision, kv: kv}}, 1)); replaced {
-			live -= storedBytes(old.latest())
+	}
+	insert := func(h *keyHistory) {
+		if old, replaced := index.ReplaceOrInsert(h); replaced {
+			live -= versionBytes(old.latest())
 			indexBytes -= keyHistoryBytes(1)
 		}
-		live += storedBytes(kv)
+		live += versionBytes(h.latest())
 		indexBytes += keyHistoryBytes(1)
+	}
+	if !ordered {
+		for _, h := range hs {
+			insert(h)
+		}
+		return index, live, indexBytes
+	}
+	for i := 0; i < len(hs); i += 2 {
+		insert(hs[i])
+	}
+	for i := 1; i < len(hs); i += 2 {
+		insert(hs[i])
 	}
 	return index, live, indexBytes
 }
@@ -274,9 +320,13 @@ func (s *Store) replaceLocked(snaps *btree.BTreeG[*snapshot], rev, compactRev in
 // Restore returns ErrInconsistent and the store is unchanged. History
 // over the budget is dropped, oldest first, as Apply drops it.
 func (s *Store) Restore(base int64, kvs []*mvccpb.KeyValue, batches []Batch, rev, compactRev int64) error {
+	vs := make([]version, len(kvs))
+	for i, kv := range kvs {
+		vs[i] = storedVersion(kv)
+	}
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	index, live, indexBytes := s.newIndex(kvs, true)
+	index, live, indexBytes := s.newIndex(vs)
 	snaps := btree.NewG(32, snapshotLess)
 	snaps.ReplaceOrInsert(&snapshot{rev: base})
 	total := indexDelta{live: live, indexBytes: indexBytes, liveKeys: index.Len(), indexKeys: index.Len()}
@@ -416,42 +466,51 @@ func (s *Store) indexEvents(rev int64, events []*mvccpb.Event, stored bool) (*sn
 	// versions and new keys.
 	snap := &snapshot{rev: rev, events: events, bytes: snapshotOverhead}
 	var d indexDelta
-	pivot := &keyHistory{}
+	search := newSearchKey()
 	for _, ev := range events {
-		pivot.key = ev.Kv.Key
-		h, _ := s.index.Get(pivot)
-		var prev *mvccpb.KeyValue
+		h, _ := s.index.Get(search.set(ev.Kv.Key))
+		var prev version
 		if h != nil {
 			prev = h.latest()
 		}
-		ev.PrevKv = prev
+		ev.PrevKv = nil
 		snap.bytes += eventBytes
-		if prev != nil {
-			d.live -= storedBytes(prev)
-			snap.displaced += storedBytes(prev)
+		if prev.isPut() {
+			if prev.isBare() {
+				// The event's own KeyValue of it.
+				e := &entry{}
+				bareEntry(prev.p, e)
+				ev.PrevKv = &e.kv
+				snap.bytes += entryBytes
+			} else {
+				ev.PrevKv = &prev.entry().kv
+			}
+			d.live -= versionBytes(prev)
+			snap.displaced += versionBytes(prev)
 			d.liveKeys--
 		}
-		var kv *mvccpb.KeyValue
+		v := deleteVersion(rev)
 		switch ev.Type {
 		case mvccpb.PUT:
-			kv = ev.Kv
+			kv := ev.Kv
 			if !stored {
 				kv = newEntry(kv)
 				ev.Kv = kv
 			}
+			v = putVersion(rev, kv)
 			d.live += storedBytes(kv)
 			d.liveKeys++
 		case mvccpb.DELETE:
 			snap.bytes += kvBytes(ev.Kv) // the tombstone
 		}
 		if h == nil {
-			s.index.ReplaceOrInsert(newKeyHistory([]version{{rev: rev, kv: kv}}, 1))
+			s.index.ReplaceOrInsert(newKeyHistory([]version{v}, 1))
 			s.indexChanged = true
 			d.indexBytes += keyHistoryBytes(1)
 			d.indexKeys++
 			continue
 		}
-		d.indexBytes += h.add(version{rev: rev, kv: kv})
+		d.indexBytes += h.add(v)
 	}
 	snap.bytes += snap.displaced
 	return snap, d
@@ -464,30 +523,36 @@ func (s *Store) checkEvents(rev int64, events []*mvccpb.Event) error {
 	if len(events) == 0 {
 		return fmt.Errorf("%w: revision %d has no events", ErrInconsistent, rev)
 	}
-	var touched map[string]*mvccpb.KeyValue // key -> state after this Txn's earlier ops; nil value = deleted
-	pivot := &keyHistory{}
+	// The state of each key after this Txn's earlier ops.
+	type state struct {
+		live    bool
+		version int64
+	}
+	var touched map[string]state
+	search := newSearchKey()
 	for _, ev := range events {
 		if ev.Kv == nil || ev.Kv.ModRevision != rev {
 			return fmt.Errorf("%w: event of revision %d applied as %d", ErrInconsistent, modRev(ev), rev)
 		}
 		prev, seen := touched[string(ev.Kv.Key)]
 		if !seen {
-			pivot.key = ev.Kv.Key
-			if h, ok := s.index.Get(pivot); ok {
-				prev = h.latest()
+			if h, ok := s.index.Get(search.set(ev.Kv.Key)); ok {
+				if l := h.latest(); l.isPut() {
+					prev = state{live: true, version: l.kvVersion()}
+				}
 			}
 		}
 		switch ev.Type {
 		case mvccpb.PUT:
 			want := int64(1)
-			if prev != nil {
-				want = prev.Version + 1
+			if prev.live {
+				want = prev.version + 1
 			}
 			if ev.Kv.Version != want {
 				return fmt.Errorf("%w: put %q at %d has version %d, want %d", ErrInconsistent, ev.Kv.Key, rev, ev.Kv.Version, want)
 			}
 		case mvccpb.DELETE:
-			if prev == nil {
+			if !prev.live {
 				return fmt.Errorf("%w: delete of absent key %q at %d", ErrInconsistent, ev.Kv.Key, rev)
 			}
 		default:
@@ -495,13 +560,9 @@ func (s *Store) checkEvents(rev int64, events []*mvccpb.Event) error {
 		}
 		if len(events) > 1 {
 			if touched == nil {
-				touched = make(map[string]*mvccpb.KeyValue, len(events))
+				touched = make(map[string]state, len(events))
 			}
-			if ev.Type == mvccpb.PUT {
-				touched[string(ev.Kv.Key)] = ev.Kv
-			} else {
-				touched[string(ev.Kv.Key)] = nil
-			}
+			touched[string(ev.Kv.Key)] = state{live: ev.Type == mvccpb.PUT, version: ev.Kv.Version}
 		}
 	}
 	return nil

@@ -14,7 +14,10 @@ import (
 // keys of its events: dropping it marks them (Store.dirty), and the sweep
 // prunes each marked key (pruned): every version before its newest at or
 // below the oldest retained revision goes, that one too if it is a
-// delete, and the key itself if nothing is left. A key whose versions
+// delete, and the key itself if nothing is left. A key left with one
+// version, whose event history no longer holds, keeps its bare encoding
+// rather than its entry (entry.go): from then on it costs the live
+// keyspace what a loaded key does. A key whose versions
 // change gets a new keyHistory with the rest of its versions, put in place
 // in the writer's tree, so that views taken before keep reading the old
 // one (keyindex.go). A sweep visits the keys that history dropped, not the
@@ -185,20 +188,22 @@ func (s *Store) sweepStretch(n int) {
 	}
 	type change struct {
 		old, new *keyHistory // new is nil when the key goes
+		bared    bool        // its one version went from entry to bare
 	}
 	var changes []change
 	end := min(s.sweep.next+n, len(s.sweep.keys))
+	search := newSearchKey()
 	for _, k := range s.sweep.keys[s.sweep.next:end] {
-		h, ok := s.index.Get(&keyHistory{key: unsafe.Slice(unsafe.StringData(k), len(k))})
+		h, ok := s.index.Get(search.set(unsafe.Slice(unsafe.StringData(k), len(k))))
 		if !ok {
 			continue // an earlier sweep removed it
 		}
-		if vs, ok := pruned(h.published(), oldest.rev); ok {
+		if vs, bared, ok := pruned(h.published(), oldest.rev); ok {
 			var nh *keyHistory
 			if len(vs) > 0 {
 				nh = newKeyHistory(vs, versionCap(len(vs)))
 			}
-			changes = append(changes, change{old: h, new: nh})
+			changes = append(changes, change{old: h, new: nh, bared: bared})
 		}
 	}
 	done := end == len(s.sweep.keys)
@@ -206,17 +211,20 @@ func (s *Store) sweepStretch(n int) {
 		s.sweep.next = end // nothing to publish or count yet
 		return
 	}
-	var bytes int64
+	var bytes, live int64
 	var keys int
 	for _, c := range changes {
-		bytes -= keyHistoryBytes(len(c.old.list.Load().v))
+		bytes -= keyHistoryBytes(c.old.capacity())
 		if c.new == nil {
 			s.index.Delete(c.old)
 			keys--
 			continue
 		}
 		s.index.ReplaceOrInsert(c.new)
-		bytes += keyHistoryBytes(len(c.new.list.Load().v))
+		bytes += keyHistoryBytes(c.new.capacity())
+		if c.bared {
+			live -= entryBytes
+		}
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -226,6 +234,7 @@ func (s *Store) sweepStretch(n int) {
 	}
 	s.indexBytes += bytes
 	s.indexKeys += keys
+	s.liveBytes += live
 	s.sweep.next = end
 	if done {
 		s.pendingBytes -= s.sweep.freeing
@@ -234,17 +243,25 @@ func (s *Store) sweepStretch(n int) {
 }
 
 // pruned returns what is left of the versions vs once those that no
-// revision from oldest on can read are gone, and whether that is fewer:
-// the versions from the newest at or below oldest on, without it if it is
-// a delete (the key is absent until its next version either way).
-func pruned(vs []version, oldest int64) ([]version, bool) {
-	i := sort.Search(len(vs), func(i int) bool { return vs[i].rev > oldest }) - 1
+// revision from oldest on can read are gone, and whether that changes
+// them: the versions from the newest at or below oldest on, without it if
+// it is a delete (the key is absent until its next version either way).
+// A key left with one version, an entry whose event is older than oldest
+// (no retained event holds it), keeps its bare encoding instead: bared.
+func pruned(vs []version, oldest int64) (keep []version, bared, changed bool) {
+	i := sort.Search(len(vs), func(i int) bool { return vs[i].rev() > oldest }) - 1
 	if i < 0 {
-		return vs, false
+		return vs, false, false
 	}
-	keep := vs[i:]
-	if keep[0].kv == nil {
+	keep = vs[i:]
+	if !keep[0].isPut() {
 		keep = keep[1:]
 	}
-	return keep, len(keep) < len(vs)
+	if len(keep) == 1 && keep[0].isPut() && !keep[0].isBare() && keep[0].rev() < oldest {
+		if p := keep[0].entry().bare(); p != nil {
+			// A new slice: vs is published.
+			return []version{bareVersion(keep[0].rev(), p)}, true, true
+		}
+	}
+	return keep, false, len(keep) < len(vs)
 }

@@ -9,6 +9,9 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"google.golang.org/protobuf/proto"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 )
 
@@ -80,11 +83,14 @@ func checkSweptIndex(t *testing.T, s *Store, where string) {
 	indexKeys := 0
 	s.index.Ascend(func(h *keyHistory) bool {
 		indexKeys++
-		indexBytes += keyHistoryBytes(len(h.list.Load().v))
+		indexBytes += keyHistoryBytes(h.capacity())
 		vs := h.published()
-		kept, _ := pruned(vs, oldest.rev)
-		if len(kept) < len(vs) && !displacedByOldest[string(h.key)] {
-			t.Errorf("%s: %q keeps %d versions no revision from %d on reads: %v", where, h.key, len(vs)-len(kept), oldest.rev, vs)
+		kept, bared, _ := pruned(vs, oldest.rev)
+		if len(kept) < len(vs) && !displacedByOldest[string(h.key())] {
+			t.Errorf("%s: %q keeps %d versions no revision from %d on reads: %v", where, h.key(), len(vs)-len(kept), oldest.rev, vs)
+		}
+		if bared {
+			t.Errorf("%s: %q keeps the entry of its one version, at %d, which no event from %d on holds", where, h.key(), vs[0].rev(), oldest.rev)
 		}
 		return true
 	})
@@ -212,5 +218,77 @@ func sweepWorkload(t *testing.T, seed uint64, readersDrop bool) {
 		if step%200 == 199 {
 			checkSweptIndex(t, s, fmt.Sprintf("step %d, revision %d", step, rev))
 		}
+	}
+}
+
+// TestSweepKeepsBareEncodings: a loaded key is kept as its bare encoding;
+// a put keeps its entry, shared with its event and the next put's PrevKv,
+// while its event is retained; once compaction drops the event, the sweep
+// keeps the bare encoding instead, reads answer the same, the estimate
+// falls by the entry, and the next put's PrevKv is made of it.
+func TestSweepKeepsBareEncodings(t *testing.T) {
+	kv := func(key string, create, mod, ver int64) *mvccpb.KeyValue {
+		return &mvccpb.KeyValue{Key: []byte(key), Value: []byte(fmt.Sprintf("%s@%d", key, mod)), CreateRevision: create, ModRevision: mod, Version: ver, Lease: 7}
+	}
+	s := New(8)
+	s.Reset(3, []*mvccpb.KeyValue{kv("a", 1, 1, 1), kv("b", 2, 2, 1), kv("c", 3, 3, 1)}, 0)
+	latest := func(key string) version {
+		t.Helper()
+		h, ok := s.index.Get(searchFor([]byte(key)))
+		if !ok {
+			t.Fatalf("%q is not in the index", key)
+		}
+		return h.latest()
+	}
+	for _, k := range []string{"a", "b", "c"} {
+		if !latest(k).isBare() {
+			t.Errorf("loaded %q is kept as an entry", k)
+		}
+	}
+	evs4, err := s.Apply(4, []*mvccpb.Event{{Type: mvccpb.PUT, Kv: kv("a", 1, 4, 2)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := evs4[0].PrevKv; got == nil || !bytes.Equal(got.Value, []byte("a@1")) || got.Lease != 7 || got.Version != 1 {
+		t.Fatalf("PrevKv made of a bare encoding: %v", got)
+	}
+	if _, err := s.Apply(5, []*mvccpb.Event{{Type: mvccpb.PUT, Kv: kv("b", 2, 5, 2)}}); err != nil {
+		t.Fatal(err)
+	}
+	if v := latest("a"); v.isBare() || &v.entry().kv != evs4[0].Kv {
+		t.Fatalf("a's put at 4 is not kept as its event's entry")
+	}
+	all := &pb.RangeRequest{Key: []byte{0}, RangeEnd: []byte{0}}
+	before, _ := s.Range(all, RangeOptions{})
+	approx := s.ApproxBytes()
+
+	s.Compact(5) // drops snapshots 3 and 4: a's event
+	if !latest("a").isBare() {
+		t.Errorf("a's put at 4, whose event compaction dropped, still keeps its entry")
+	}
+	if latest("b").isBare() {
+		t.Errorf("b's put at 5, whose event is retained, lost its entry")
+	}
+	after, _ := s.Range(all, RangeOptions{})
+	if !proto.Equal(before, after) {
+		t.Errorf("reads changed when the sweep kept bare encodings:\nbefore %v\nafter  %v", before, after)
+	}
+	// Compaction freed snapshot 3 and 4 (their events) and a's entry.
+	if freed := approx - s.ApproxBytes(); freed < entryBytes {
+		t.Errorf("the estimate fell by %d bytes; want at least the entry's %d", freed, entryBytes)
+	}
+	evs, err := s.Apply(6, []*mvccpb.Event{{Type: mvccpb.PUT, Kv: kv("a", 1, 6, 3)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := evs[0].PrevKv; got == nil || !proto.Equal(got, after.Kvs[0]) {
+		t.Errorf("PrevKv of a at 6: %v, want %v", got, after.Kvs[0])
+	}
+	var enc []byte
+	if enc, err = AppendKeyValue(nil, evs[0].PrevKv); err != nil {
+		t.Fatal(err)
+	}
+	if want, _ := proto.Marshal(after.Kvs[0]); !bytes.Equal(enc, want) {
+		t.Errorf("the encoding of a PrevKv made of a bare encoding differs from proto.Marshal's")
 	}
 }

@@ -27,19 +27,19 @@ func (s *Store) CorruptForTest(kv *mvccpb.KeyValue) {
 	// the newest revision is kv: views taken before keep the old one.
 	kv = newEntry(kv) // the store's own copy, as every key-value it holds
 	var vs []version
-	if h, ok := s.index.Get(&keyHistory{key: kv.Key}); ok {
+	if h, ok := s.index.Get(searchFor(kv.Key)); ok {
 		vs = slices.Clone(h.published())
 	}
-	if n := len(vs); n > 0 && vs[n-1].rev == newest.rev {
-		vs[n-1].kv = kv
+	if n := len(vs); n > 0 && vs[n-1].rev() == newest.rev {
+		vs[n-1] = putVersion(newest.rev, kv)
 	} else {
-		vs = append(vs, version{rev: newest.rev, kv: kv})
+		vs = append(vs, putVersion(newest.rev, kv))
 	}
 	// The index's memory estimate follows the new history.
 	nh := newKeyHistory(vs, len(vs))
 	s.indexBytes += keyHistoryBytes(len(vs))
 	if old, replaced := s.index.ReplaceOrInsert(nh); replaced {
-		s.indexBytes -= keyHistoryBytes(len(old.list.Load().v))
+		s.indexBytes -= keyHistoryBytes(old.capacity())
 	} else {
 		s.indexKeys++
 	}
