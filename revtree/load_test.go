@@ -56,7 +56,8 @@ func TestLoad(t *testing.T) {
 			t.Fatal(err)
 		}
 		var got []*mvccpb.KeyValue
-		gotView.Ascend([]byte{0}, nil, func(kv *mvccpb.KeyValue) bool { got = append(got, kv); return true })
+		var m kvMaker
+		gotView.ascend([]byte{0}, nil, func(ver version) bool { got = append(got, ver.kv(&m)); return true })
 		i := 0
 		wantView.Ascend([]byte{0}, nil, func(kv *mvccpb.KeyValue) bool {
 			if i >= len(got) || !proto.Equal(got[i], kv) {

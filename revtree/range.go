@@ -244,10 +244,20 @@ func (v View) Get(key []byte) (*mvccpb.KeyValue, bool) {
 }
 
 // Ascend calls fn for every key-value in [key, end) in key order until fn
-// returns false. An empty end means no upper bound.
-func (v View) Ascend(key, end []byte, fn func(*mvccpb.KeyValue) bool) {
-	var m kvMaker
-	v.ascend(key, end, func(ver version) bool { return fn(ver.kv(&m)) })
+// returns false. An empty end means no upper bound. kv is fn's for the
+// call only: fn may keep kv.Key and kv.Value, which the store never
+// changes, but not kv itself (a walk of the whole keyspace, a hash check's
+// or a copy to disk, makes no garbage of a KeyValue per key).
+func (v View) Ascend(key, end []byte, fn func(kv *mvccpb.KeyValue) bool) {
+	e := &entry{}
+	v.ascend(key, end, func(ver version) bool {
+		if !ver.isBare() {
+			return fn(&ver.entry().kv)
+		}
+		*e = entry{}
+		bareEntry(ver.p, e)
+		return fn(&e.kv)
+	})
 }
 
 // ascend calls fn with the version at the view's revision of every key in

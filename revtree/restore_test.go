@@ -435,7 +435,7 @@ func retainedHistory(t testing.TB, s *revtree.Store) (base int64, kvs []*mvccpb.
 	}
 	keyspace := map[string]*mvccpb.KeyValue{}
 	v.Ascend([]byte{0}, nil, func(kv *mvccpb.KeyValue) bool {
-		keyspace[string(kv.Key)] = kv
+		keyspace[string(kv.Key)] = proto.Clone(kv).(*mvccpb.KeyValue) // kv is the call's
 		return true
 	})
 	if len(held) > 0 && held[0].Rev == s.OldestRev() {
