@@ -116,18 +116,18 @@ func marshalKV(b []byte, kv *mvccpb.KeyValue) ([]byte, error) {
 	return seal(b, func(b []byte) ([]byte, error) { return revtree.AppendKeyValue(b, kv) })
 }
 
-// unmarshalKV decodes a kv record into the store's copy of it
-// (revtree.DecodeKeyValue).
-func unmarshalKV(rec []byte) (*mvccpb.KeyValue, error) {
+// loadKV adds the key-value of a kv record to l (revtree.Load.AddEncoded)
+// and returns its key.
+func loadKV(l *revtree.Load, rec []byte) ([]byte, error) {
 	p, err := open(rec)
 	if err != nil {
 		return nil, err
 	}
-	kv, err := revtree.DecodeKeyValue(p)
+	key, err := l.AddEncoded(p)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrCorrupt, err)
 	}
-	return kv, nil
+	return key, nil
 }
 
 // Event field numbers (kv.proto).

@@ -1534,3 +1534,17 @@ func TestLargeCopy(t *testing.T) {
 		t.Errorf("restored events: %s", diff(w, g))
 	}
 }
+
+// unmarshalKV decodes a kv record into the store's copy of it
+// (revtree.DecodeKeyValue).
+func unmarshalKV(rec []byte) (*mvccpb.KeyValue, error) {
+	p, err := open(rec)
+	if err != nil {
+		return nil, err
+	}
+	kv, err := revtree.DecodeKeyValue(p)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrCorrupt, err)
+	}
+	return kv, nil
+}

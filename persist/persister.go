@@ -56,7 +56,8 @@ type Store interface {
 	HistoryStart() int64
 	ViewHeld(rev int64) (revtree.View, error)
 	EventsHeld(from, upTo int64, max int) ([]revtree.Batch, int64, error)
-	Restore(base int64, kvs []*mvccpb.KeyValue, batches []revtree.Batch, rev, compactRev int64) error
+	NewLoad() *revtree.Load
+	RestoreLoad(base int64, loads []*revtree.Load, batches []revtree.Batch, rev, compactRev int64) error
 }
 
 // Source tells whether the store answers for etcd, and for which cluster

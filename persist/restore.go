@@ -15,8 +15,6 @@ import (
 	bolt "go.etcd.io/bbolt"
 	"go.uber.org/zap"
 
-	"go.etcd.io/etcd/api/v3/mvccpb"
-
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -187,11 +185,11 @@ func (p *Persister) discardLocked() {
 // restoreLocked reads the open copy whole and restores the store.
 func (p *Persister) restoreLocked(ctx context.Context) error {
 	s := p.disk
-	var kvs []*mvccpb.KeyValue
+	var loads []*revtree.Load
 	var batches []revtree.Batch
 	err := p.db.View(func(tx *bolt.Tx) error {
 		var err error
-		if kvs, err = readKVs(ctx, tx.Bucket(kvBucket)); err != nil {
+		if loads, err = p.readKVs(ctx, tx.Bucket(kvBucket)); err != nil {
 			return err
 		}
 		batches, err = readEvents(ctx, tx.Bucket(eventsBucket), s)
@@ -205,7 +203,11 @@ func (p *Persister) restoreLocked(ctx context.Context) error {
 		err = p.reopenLocked()
 	}
 	if err == nil {
-		err = p.cfg.Store.Restore(s.base, kvs, batches, s.rev, s.compactRev)
+		err = p.cfg.Store.RestoreLoad(s.base, loads, batches, s.rev, s.compactRev)
+	} else {
+		for _, l := range loads {
+			l.Discard()
+		}
 	}
 	if err != nil {
 		return err
@@ -226,10 +228,11 @@ func (p *Persister) reopenLocked() error {
 	return nil
 }
 
-// readKVs decodes the kv bucket, on every core: bbolt hands out its keys
-// and values in key order without copying, and decoding is most of a
+// readKVs reads the kv bucket into loads of the store, one per core, each
+// a contiguous part in key order: bbolt hands out its keys and values in
+// key order without copying, and checking and copying them is most of a
 // restore's work.
-func readKVs(ctx context.Context, b *bolt.Bucket) ([]*mvccpb.KeyValue, error) {
+func (p *Persister) readKVs(ctx context.Context, b *bolt.Bucket) ([]*revtree.Load, error) {
 	var recs [][2][]byte
 	c := b.Cursor()
 	for k, v := c.First(); k != nil; k, v = c.Next() {
@@ -238,8 +241,11 @@ func readKVs(ctx context.Context, b *bolt.Bucket) ([]*mvccpb.KeyValue, error) {
 		}
 		recs = append(recs, [2][]byte{k, v})
 	}
-	kvs := make([]*mvccpb.KeyValue, len(recs))
 	workers := min(runtime.GOMAXPROCS(0), max(1, len(recs)/4096))
+	loads := make([]*revtree.Load, workers)
+	for w := range loads {
+		loads[w] = p.cfg.Store.NewLoad()
+	}
 	errs := make([]error, workers)
 	var wg sync.WaitGroup
 	for w := range workers {
@@ -254,26 +260,28 @@ func readKVs(ctx context.Context, b *bolt.Bucket) ([]*mvccpb.KeyValue, error) {
 					errs[w] = ctx.Err()
 					return
 				}
-				kv, err := unmarshalKV(recs[i][1])
+				key, err := loadKV(loads[w], recs[i][1])
 				if err != nil {
 					errs[w] = err
 					return
 				}
 				// The key is the record's own: a record under another
 				// key is damage.
-				if string(kv.Key) != string(recs[i][0]) {
-					errs[w] = fmt.Errorf("%w: key %q holds the record of %q", ErrCorrupt, recs[i][0], kv.Key)
+				if string(key) != string(recs[i][0]) {
+					errs[w] = fmt.Errorf("%w: key %q holds the record of %q", ErrCorrupt, recs[i][0], key)
 					return
 				}
-				kvs[i] = kv
 			}
 		}()
 	}
 	wg.Wait()
 	if err := errors.Join(errs...); err != nil {
+		for _, l := range loads {
+			l.Discard()
+		}
 		return nil, err
 	}
-	return kvs, nil
+	return loads, nil
 }
 
 // readEvents decodes the events bucket: revisions in order, each in (base,

@@ -27,7 +27,8 @@ import (
 //     it, are entries, which its version shares while the event is
 //     retained;
 //   - a bare encoding: the encoding alone, after its length as a varint
-//     (newBare), for the keyspace a load read and for a key whose last
+//     (newBare; a load's are packed into slabs, pack.go), for the
+//     keyspace a load read and for a key whose last
 //     put's event history no longer holds (the sweep turns its entry
 //     into its bare encoding). A read makes a KeyValue of it (kvMaker):
 //     the 120-byte struct is most of what a key costs beside its value,

@@ -47,7 +47,8 @@ import (
 // version is one state of a key at a revision: what a put stored (an
 // entry, or a bare encoding: entry.go), or nothing for a delete.
 type version struct {
-	// tagged is the revision, negated when p is a bare encoding.
+	// tagged is the revision; for a bare encoding, -(rev<<1 | packed),
+	// packed being 1 for one in a slab (pack.go).
 	tagged int64
 	p      unsafe.Pointer // *entry, a bare encoding, or nil for a delete
 }
@@ -57,7 +58,11 @@ func putVersion(rev int64, kv *mvccpb.KeyValue) version {
 }
 
 func bareVersion(rev int64, bare unsafe.Pointer) version {
-	return version{tagged: -rev, p: bare}
+	return version{tagged: -(rev << 1), p: bare}
+}
+
+func packedVersion(rev int64, bare unsafe.Pointer) version {
+	return version{tagged: -(rev<<1 | 1), p: bare}
 }
 
 func deleteVersion(rev int64) version { return version{tagged: rev} }
@@ -65,7 +70,7 @@ func deleteVersion(rev int64) version { return version{tagged: rev} }
 // rev is the version's revision.
 func (v version) rev() int64 {
 	if v.tagged < 0 {
-		return -v.tagged
+		return -v.tagged >> 1
 	}
 	return v.tagged
 }
@@ -75,6 +80,9 @@ func (v version) isPut() bool { return v.p != nil }
 
 // isBare reports whether the version holds a bare encoding, not an entry.
 func (v version) isBare() bool { return v.tagged < 0 }
+
+// isPacked reports whether the version holds a bare encoding in a slab.
+func (v version) isPacked() bool { return v.tagged < 0 && -v.tagged&1 == 1 }
 
 // entry returns the version's entry; the version is a put's and not bare.
 func (v version) entry() *entry { return (*entry)(v.p) }

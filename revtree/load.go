@@ -5,16 +5,18 @@ import (
 )
 
 // Load is a keyspace read from etcd page by page, kept as the store's
-// copies (entry.go: bare encodings): each page is copied as it arrives, so that what was
+// copies (entry.go: bare encodings, packed into slabs, pack.go): each
+// page is copied as it arrives, so that what was
 // decoded from etcd is garbage before the next page is read, and the load
 // holds one copy of the keyspace, not two. The store counts a load's
 // copies in ApproxBytes while it grows (a soft memory limit follows it).
 // ResetLoad makes it the store's keyspace; Discard drops one that will not
 // be. A Load is used by one goroutine.
 type Load struct {
-	s     *Store
-	vs    []version // one put of each key
-	bytes int64     // counted in s.loadingBytes
+	s      *Store
+	vs     []version // one put of each key
+	packer packer
+	bytes  int64 // counted in s.loadingBytes
 }
 
 // loadSlotBytes is what a loaded key costs besides its copy until the
@@ -28,13 +30,54 @@ func (s *Store) NewLoad() *Load { return &Load{s: s} }
 // added before it, into the load; kvs are not kept.
 func (l *Load) Add(kvs []*mvccpb.KeyValue) {
 	var n int64
+	slabs := len(l.packer.slabs)
 	for _, kv := range kvs {
-		v := loadedVersion(kv)
+		var v version
+		if p := l.packer.pack(kv); p != nil {
+			v = packedVersion(kv.ModRevision, p)
+		} else {
+			v = loadedVersion(kv)
+			n += versionBytes(v)
+		}
 		l.vs = append(l.vs, v)
-		n += versionBytes(v) + loadSlotBytes
+		n += loadSlotBytes
+	}
+	l.count(n, slabs)
+}
+
+// count counts n bytes and the slabs started since there were slabs.
+func (l *Load) count(n int64, slabs int) {
+	for _, sl := range l.packer.slabs[slabs:] {
+		n += slabAllocBytes(cap(sl.buf)) + slabStructBytes
 	}
 	l.bytes += n
 	l.s.loadingBytes.Add(n)
+}
+
+// AddEncoded adds the key-value encoded in enc, a record of a copy on disk
+// (AppendKeyValue's), after the keys added before it; enc is not kept. It
+// returns the key, the store's copy of it.
+func (l *Load) AddEncoded(enc []byte) ([]byte, error) {
+	slabs := len(l.packer.slabs)
+	var v version
+	var n int64
+	var e entry
+	if parseCanonical(enc, &e) {
+		if p := l.packer.packEncoding(enc); p != nil {
+			v = packedVersion(e.kv.ModRevision, p)
+		}
+	}
+	if v.p == nil {
+		kv, err := DecodeKeyValue(enc)
+		if err != nil {
+			return nil, err
+		}
+		v = storedVersion(kv)
+		n += versionBytes(v)
+	}
+	l.vs = append(l.vs, v)
+	l.count(n+loadSlotBytes, slabs)
+	return v.key(), nil
 }
 
 // Len is the number of keys added.
@@ -44,13 +87,13 @@ func (l *Load) Len() int { return len(l.vs) }
 // garbage. A discarded (or reset) load cannot be used again.
 func (l *Load) Discard() {
 	l.s.loadingBytes.Add(-l.bytes)
-	l.bytes, l.vs = 0, nil
+	l.bytes, l.vs, l.packer = 0, nil, packer{}
 }
 
 // ResetLoad replaces the whole store with the load's keys as the keyspace
 // at rev, as Reset(rev, kvs, compactRev) would with the pages added, and
 // ends the load.
 func (s *Store) ResetLoad(rev int64, l *Load, compactRev int64) {
-	s.reset(rev, l.vs, compactRev)
+	s.reset(rev, l.vs, l.packer.slabs, compactRev)
 	l.Discard()
 }

@@ -16,7 +16,9 @@ import (
 // (sizeClass), which is what the heap really spends on it.
 //
 //   - A stored KeyValue (entry.go): its encoding after its length, which
-//     holds its key and value (bareBytes), plus, for an entry, the entry
+//     holds its key and value (encodingBytes; packedBytes in a slab,
+//     pack.go, whose bytes the index no longer holds count until the
+//     slab is evacuated: slabSet.dead), plus, for an entry, the entry
 //     (unsafe.Sizeof, 128 bytes: the KeyValue struct and its encoding's
 //     length; storedBytes). A read's KeyValues made of bare encodings
 //     are the read's, in slabs (kvMaker), counted only when the
@@ -35,13 +37,14 @@ import (
 //     struct (56 bytes, class 64), its items array and, for an inner node,
 //     its children array. Arrays grow by append, so a node of degree d
 //     holds capacity for 2d-1 items and 2d children rounded up to a power
-//     of two (16 and 16 at degree 8: 128 bytes each). A load inserts every
-//     other key in order, which leaves every node half full, d-1 items,
-//     and every inner node with d children, and then the rest, which
-//     fills the leaves (newIndex); the root holds what is left.
+//     of two (16 and 16 at degree 8: 128 bytes each). A load inserts keys
+//     in order, which leaves every node half full, d-1 items, and every
+//     inner node with d children; the root holds what is left.
 //     shape.levels computes the levels for n items from that. Trees grown
-//     by random inserts have leaves about 0.7 full: a few bytes per key
-//     more than the estimate. A revision that inserts or removes a key copies
+//     by random inserts are fuller (about 0.7 of 2d-1 items per node) and
+//     a little shallower. (A load that filled the leaves would not keep
+//     them full: btree splits a full node on the way to any item below
+//     it, even to replace one, as the sweep does.) A revision that inserts or removes a key copies
 //     the nodes on its path while a view shares them: garbage once no
 //     view holds the old tree, so not counted.
 //   - A snapshot: the snapshot struct and its slot in the index of
@@ -161,6 +164,8 @@ func versionBytes(v version) int64 {
 	switch {
 	case !v.isPut():
 		return 0
+	case v.isPacked():
+		return packedBytes(len(bareEncoding(v.p)))
 	case v.isBare():
 		return encodingBytes(len(bareEncoding(v.p)))
 	}
@@ -206,10 +211,9 @@ func (sh shape) levels(n int, buf *[64]level) []level {
 	case n <= 2*d-1: // a leaf root
 		return append(out, level{1, nodeStructBytes + sizeClass(int64(8*pow2(n))), n})
 	}
-	// Full leaves, half-full inner nodes (a load's, newIndex): each leaf
-	// holds 2d-1 items and gives one to its parent, each inner node has d
-	// children and d-1 items.
-	nodes := (n + 2*d - 1) / (2 * d)
+	// Half-full nodes: each leaf holds d-1 items and gives one to its
+	// parent, each inner node has d children and d-1 items.
+	nodes := (n + d - 1) / d
 	out = append(out, level{nodes, sh.leaf, 0})
 	inner := 0
 	for nodes > 2*d && len(out) < len(buf)-1 {

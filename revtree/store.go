@@ -1,7 +1,6 @@
 package revtree
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"sync"
@@ -61,6 +60,9 @@ type Store struct {
 	// sweep is the running prune of the keys dropped history marked
 	// (sweep.go).
 	sweep sweep
+	// slabs is the slabs of the packed encodings of the last load
+	// (pack.go).
+	slabs slabSet
 
 	mu sync.RWMutex
 	// Guarded by mu: the published state.
@@ -90,6 +92,8 @@ type Store struct {
 	// dirty marks the keys of the snapshots dropped since the running
 	// sweep, if any, took the marks: the keys whose versions it prunes.
 	dirty map[string]struct{}
+	// slabDead is slabs.dead() when the writer last published.
+	slabDead int64
 
 	flat flatRanges // pages of recent paginated reads; its own lock
 
@@ -213,11 +217,9 @@ func (s *Store) publishLocked() {
 // etcd's compaction revision as known to the caller; it never moves the
 // store's compaction revision backwards.
 func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
-	vs := make([]version, len(kvs))
-	for i, kv := range kvs {
-		vs[i] = loadedVersion(kv)
-	}
-	s.reset(rev, vs, compactRev)
+	l := s.NewLoad()
+	l.Add(kvs)
+	s.ResetLoad(rev, l, compactRev)
 }
 
 // loadedVersion is the version the store keeps of kv, a key-value of a
@@ -239,11 +241,14 @@ func storedVersion(kv *mvccpb.KeyValue) version {
 	return putVersion(kv.ModRevision, kv)
 }
 
-// reset is Reset of vs, the versions of the keyspace, each a put's.
-func (s *Store) reset(rev int64, vs []version, compactRev int64) {
+// reset is Reset of vs, the versions of the keyspace, each a put's, whose
+// packed encodings are in slabs.
+func (s *Store) reset(rev int64, vs []version, slabs []*slab, compactRev int64) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	index, live, indexBytes := s.newIndex(vs)
+	set := newSlabSet(slabs)
+	index, live, indexBytes := s.newIndex(vs, &set)
+	s.slabs = set
 	s.index, s.indexChanged = index, true
 	snaps := btree.NewG(32, snapshotLess)
 	snaps.ReplaceOrInsert(&snapshot{rev: rev})
@@ -252,47 +257,27 @@ func (s *Store) reset(rev int64, vs []version, compactRev int64) {
 	defer s.mu.Unlock()
 	s.publishLocked()
 	s.replaceLocked(snaps, rev, compactRev)
+	s.slabDead = s.slabs.dead()
 	s.liveBytes, s.historyBytes, s.indexBytes = live, 0, indexBytes
 	s.liveKeys, s.indexKeys = index.Len(), index.Len()
 }
 
 // newIndex returns a key index of one version of each key, vs (each a
 // put's; of a key given twice, the last), with the bytes of what they hold
-// and of its keys' histories.
-//
-// Keys in order (as a load reads them) are inserted every other one first,
-// then the rest: in order, each node the tree splits would stay half full
-// (it splits in the middle and is never inserted into again); the second
-// pass fills those halves, so that the leaves end full (memory.go).
-func (s *Store) newIndex(vs []version) (index *btree.BTreeG[*keyHistory], live, indexBytes int64) {
+// and of its keys' histories; a packed version replaced leaves its slab.
+func (s *Store) newIndex(vs []version, slabs *slabSet) (index *btree.BTreeG[*keyHistory], live, indexBytes int64) {
 	index = btree.NewG(s.degree, keyHistoryLess)
-	hs := make([]*keyHistory, len(vs))
-	ordered := true
-	for i, v := range vs {
-		hs[i] = newKeyHistory([]version{v}, 1)
-		if ordered && i > 0 && bytes.Compare(hs[i-1].key(), hs[i].key()) >= 0 {
-			ordered = false
-		}
-	}
-	insert := func(h *keyHistory) {
+	for _, v := range vs {
+		h := newKeyHistory([]version{v}, 1)
 		if old, replaced := index.ReplaceOrInsert(h); replaced {
 			live -= versionBytes(old.latest())
 			indexBytes -= keyHistoryBytes(1)
+			if old.latest().isPacked() {
+				slabs.release(old.latest())
+			}
 		}
-		live += versionBytes(h.latest())
+		live += versionBytes(v)
 		indexBytes += keyHistoryBytes(1)
-	}
-	if !ordered {
-		for _, h := range hs {
-			insert(h)
-		}
-		return index, live, indexBytes
-	}
-	for i := 0; i < len(hs); i += 2 {
-		insert(hs[i])
-	}
-	for i := 1; i < len(hs); i += 2 {
-		insert(hs[i])
 	}
 	return index, live, indexBytes
 }
@@ -314,19 +299,45 @@ func (s *Store) replaceLocked(snaps *btree.BTreeG[*snapshot], rev, compactRev in
 // compactRev), an Apply of each batch and Advance(rev) would: for a
 // keyspace and history read back from disk, with the index published once
 // rather than at every revision. kvs, and the Kv of every put event, must
-// be DecodeKeyValue's: the store keeps them as they are. The events need
+// be DecodeKeyValue's: the store keeps the events' as they are, and packs
+// copies of kvs' encodings, as a load does. The events need
 // no PrevKv: it is filled in from the store, as Apply fills it. Each batch must follow the one
 // before, from base on, and rev must be at least the last batch's; else
 // Restore returns ErrInconsistent and the store is unchanged. History
 // over the budget is dropped, oldest first, as Apply drops it.
 func (s *Store) Restore(base int64, kvs []*mvccpb.KeyValue, batches []Batch, rev, compactRev int64) error {
-	vs := make([]version, len(kvs))
-	for i, kv := range kvs {
-		vs[i] = storedVersion(kv)
+	l := s.NewLoad()
+	for _, kv := range kvs {
+		if enc := encoding(kv); enc != nil && entryOf(kv).canonical {
+			if _, err := l.AddEncoded(enc); err == nil {
+				continue
+			}
+		}
+		v := storedVersion(kv)
+		l.vs = append(l.vs, v)
+		l.count(versionBytes(v)+loadSlotBytes, len(l.packer.slabs))
 	}
+	return s.RestoreLoad(base, []*Load{l}, batches, rev, compactRev)
+}
+
+// RestoreLoad is Restore of the keyspace of loads, one after the other
+// (AddEncoded's: a copy on disk read in parts at once), and ends them.
+func (s *Store) RestoreLoad(base int64, loads []*Load, batches []Batch, rev, compactRev int64) error {
+	var vs []version
+	var slabs []*slab
+	for _, l := range loads {
+		vs = append(vs, l.vs...)
+		slabs = append(slabs, l.packer.slabs...)
+	}
+	defer func() {
+		for _, l := range loads {
+			l.Discard()
+		}
+	}()
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	index, live, indexBytes := s.newIndex(vs)
+	set := newSlabSet(slabs)
+	index, live, indexBytes := s.newIndex(vs, &set)
 	snaps := btree.NewG(32, snapshotLess)
 	snaps.ReplaceOrInsert(&snapshot{rev: base})
 	total := indexDelta{live: live, indexBytes: indexBytes, liveKeys: index.Len(), indexKeys: index.Len()}
@@ -360,10 +371,12 @@ func (s *Store) Restore(base int64, kvs []*mvccpb.KeyValue, batches []Batch, rev
 		return fmt.Errorf("%w: restored at revision %d below its last event's %d", ErrInconsistent, rev, last)
 	}
 	s.indexChanged = true
+	s.slabs = set
 
 	s.mu.Lock()
 	s.publishLocked()
 	s.replaceLocked(snaps, rev, compactRev)
+	s.slabDead = s.slabs.dead()
 	s.liveBytes, s.historyBytes, s.indexBytes = total.live, historyBytes, total.indexBytes
 	s.liveKeys, s.indexKeys = total.liveKeys, total.indexKeys
 	s.mu.Unlock()
@@ -395,11 +408,13 @@ func (s *Store) Unload() {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
 	s.index, s.indexChanged = btree.NewG(s.degree, keyHistoryLess), true
+	s.slabs = slabSet{}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.publishLocked()
 	s.snapshots = btree.NewG(32, snapshotLess)
 	s.loaded = false
+	s.slabDead = 0
 	s.liveBytes, s.historyBytes, s.indexBytes = 0, 0, 0
 	s.liveKeys, s.indexKeys = 0, 0
 	s.pendingBytes, s.sweep, s.dirty = 0, sweep{}, nil
@@ -690,7 +705,7 @@ func (s *Store) ApproxBytes() int64 {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	return s.liveBytes + int64(s.liveKeys)*keyHistoryBytes(1) + s.shape.tree(s.liveKeys) + s.historyBytesLocked() + s.pendingBytes +
-		s.loadingBytes.Load()
+		s.slabDead + s.loadingBytes.Load()
 }
 
 // HistoryBytes estimates the memory retained history uses on top of the

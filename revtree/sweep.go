@@ -213,8 +213,26 @@ func (s *Store) sweepStretch(n int) {
 	}
 	var bytes, live int64
 	var keys int
+	var evacuate map[*slab]bool
 	for _, c := range changes {
 		bytes -= keyHistoryBytes(c.old.capacity())
+		// The versions pruned, before those kept: the packed ones
+		// leave their slabs (pack.go).
+		old, kept := c.old.published(), 0
+		if c.new != nil {
+			kept = len(c.new.published())
+		}
+		for _, v := range old[:len(old)-kept] {
+			if !v.isPacked() {
+				continue
+			}
+			if sl := s.slabs.release(v); sl != nil {
+				if evacuate == nil {
+					evacuate = map[*slab]bool{}
+				}
+				evacuate[sl] = true
+			}
+		}
 		if c.new == nil {
 			s.index.Delete(c.old)
 			keys--
@@ -226,6 +244,9 @@ func (s *Store) sweepStretch(n int) {
 			live -= entryBytes
 		}
 	}
+	for sl := range evacuate {
+		live += s.evacuate(sl)
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if len(changes) > 0 {
@@ -235,6 +256,7 @@ func (s *Store) sweepStretch(n int) {
 	s.indexBytes += bytes
 	s.indexKeys += keys
 	s.liveBytes += live
+	s.slabDead = s.slabs.dead()
 	s.sweep.next = end
 	if done {
 		s.pendingBytes -= s.sweep.freeing
