@@ -98,7 +98,9 @@ func TestMemoryLimitAuto(t *testing.T) {
 		t.Fatalf("a second server moved the limit to %d", got)
 	}
 
-	// The store grows: the limit follows (unless a cgroup caps it).
+	// The store grows: the limit follows (unless a cgroup caps it), to
+	// within the 1/32 it moves by (a load's own estimate may have set it
+	// close to the store's already).
 	kvs := make([]*mvccpb.KeyValue, 0, 20_000)
 	for i := range cap(kvs) {
 		kvs = append(kvs, &mvccpb.KeyValue{Key: fmt.Appendf(nil, "/k/%06d", i), Value: make([]byte, 4096), CreateRevision: 2, ModRevision: 2, Version: 1})
@@ -106,7 +108,8 @@ func TestMemoryLimitAuto(t *testing.T) {
 	s.store.Reset(2, kvs, 0)
 	if grown := want.Limit(s.store.ApproxBytes()); grown != first {
 		testsupport.WaitFor(t, 10*time.Second, "the limit to follow the store", func() bool {
-			return debug.SetMemoryLimit(-1) == grown
+			d := debug.SetMemoryLimit(-1) - grown
+			return max(d, -d) <= grown/32
 		})
 	}
 	cancel()
