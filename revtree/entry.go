@@ -70,8 +70,7 @@ func newEntry(kv *mvccpb.KeyValue) *mvccpb.KeyValue {
 		setFields(&e.kv, kv, unknown)
 		return &e.kv
 	}
-	buf := make([]byte, 0, protowire.SizeVarint(uint64(size))+size)
-	buf = protowire.AppendVarint(buf, uint64(size))
+	buf := protowire.AppendVarint(make([]byte, 0, bareLen(size)), uint64(size))
 	enc, key, value := appendEncoding(buf[len(buf):], kv, unknown)
 	// Three-index slices: an append to Key or Value never writes into
 	// the encoding.
@@ -89,17 +88,38 @@ func newEntry(kv *mvccpb.KeyValue) *mvccpb.KeyValue {
 // it, after its length. It returns nil for a key-value that is kept as an
 // entry only: one with no key or unknown fields, or past 2 GiB.
 func newBare(kv *mvccpb.KeyValue) unsafe.Pointer {
-	if len(kv.Key) == 0 || len(kv.ProtoReflect().GetUnknown()) > 0 {
+	size, ok := bareSize(kv)
+	if !ok {
 		return nil
+	}
+	buf := appendBare(make([]byte, 0, bareLen(size)), kv, size)
+	return unsafe.Pointer(unsafe.SliceData(buf))
+}
+
+// bareSize returns the size of kv's encoding, and whether kv can be kept
+// bare: not one with no key or unknown fields, nor one past 2 GiB.
+func bareSize(kv *mvccpb.KeyValue) (int, bool) {
+	if len(kv.Key) == 0 || len(kv.ProtoReflect().GetUnknown()) > 0 {
+		return 0, false
 	}
 	size := kvEncodedSize(kv, 0)
-	if size > 1<<31-1 {
-		return nil
-	}
-	buf := make([]byte, 0, protowire.SizeVarint(uint64(size))+size)
-	buf = protowire.AppendVarint(buf, uint64(size))
-	appendEncoding(buf, kv, nil)
-	return unsafe.Pointer(unsafe.SliceData(buf))
+	return size, size <= 1<<31-1
+}
+
+// bareLen is the length of a bare encoding of an encoding of n bytes.
+func bareLen(n int) int { return protowire.SizeVarint(uint64(n)) + n }
+
+// appendBare appends the bare encoding of kv, whose encoding is size
+// bytes (bareSize).
+func appendBare(b []byte, kv *mvccpb.KeyValue, size int) []byte {
+	b = protowire.AppendVarint(b, uint64(size))
+	b, _, _ = appendEncoding(b, kv, nil)
+	return b
+}
+
+// appendBareEncoding appends a bare encoding of enc.
+func appendBareEncoding(b, enc []byte) []byte {
+	return append(protowire.AppendVarint(b, uint64(len(enc))), enc...)
 }
 
 // appendEncoding appends kv's encoding, with unknown as its unknown
@@ -291,12 +311,9 @@ func decodeCanonical(enc []byte) (*mvccpb.KeyValue, bool) {
 	if len(enc) == 0 || len(enc) > 1<<31-1 {
 		return nil, false
 	}
-	prefix := protowire.SizeVarint(uint64(len(enc)))
-	buf := make([]byte, prefix+len(enc))
-	protowire.AppendVarint(buf[:0], uint64(len(enc)))
-	copy(buf[prefix:], enc)
+	buf := appendBareEncoding(make([]byte, 0, bareLen(len(enc))), enc)
 	e := &entry{}
-	if !parseCanonical(buf[prefix:], e) {
+	if !parseCanonical(buf[len(buf)-len(enc):], e) {
 		return nil, false
 	}
 	return &e.kv, true

@@ -3,8 +3,6 @@ package revtree
 import (
 	"unsafe"
 
-	"google.golang.org/protobuf/encoding/protowire"
-
 	"go.etcd.io/etcd/api/v3/mvccpb"
 )
 
@@ -154,9 +152,7 @@ func storedBytes(kv *mvccpb.KeyValue) int64 {
 }
 
 // encodingBytes is the heap an encoding of n bytes after its length takes.
-func encodingBytes(n int) int64 {
-	return bytesAlloc(protowire.SizeVarint(uint64(n)) + n)
-}
+func encodingBytes(n int) int64 { return bytesAlloc(bareLen(n)) }
 
 // versionBytes estimates what a version holds: its entry or its bare
 // encoding; nothing for a delete.

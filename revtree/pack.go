@@ -5,8 +5,6 @@ import (
 	"sort"
 	"unsafe"
 
-	"google.golang.org/protobuf/encoding/protowire"
-
 	"go.etcd.io/etcd/api/v3/mvccpb"
 )
 
@@ -44,7 +42,7 @@ const (
 
 // packedBytes is the heap an encoding of n bytes after its length takes in
 // a slab.
-func packedBytes(n int) int64 { return int64(protowire.SizeVarint(uint64(n)) + n) }
+func packedBytes(n int) int64 { return int64(bareLen(n)) }
 
 // slab is a buffer of packed encodings.
 type slab struct {
@@ -65,17 +63,16 @@ type packer struct {
 // pack returns the packed bare encoding of kv, or nil if kv is not
 // packed: newBare's cases and encodings over maxPackedBytes.
 func (k *packer) pack(kv *mvccpb.KeyValue) unsafe.Pointer {
-	if len(kv.Key) == 0 || len(kv.ProtoReflect().GetUnknown()) > 0 {
+	size, ok := bareSize(kv)
+	if !ok {
 		return nil
 	}
-	size := kvEncodedSize(kv, 0)
 	sl, off := k.room(size)
 	if sl == nil {
 		return nil
 	}
 	// Within the slab's capacity: the buffer is never reallocated.
-	b := protowire.AppendVarint(sl.buf, uint64(size))
-	sl.buf, _, _ = appendEncoding(b, kv, nil)
+	sl.buf = appendBare(sl.buf, kv, size)
 	return unsafe.Pointer(&sl.buf[off])
 }
 
@@ -86,8 +83,7 @@ func (k *packer) packEncoding(enc []byte) unsafe.Pointer {
 	if sl == nil {
 		return nil
 	}
-	b := protowire.AppendVarint(sl.buf, uint64(len(enc)))
-	sl.buf = append(b, enc...)
+	sl.buf = appendBareEncoding(sl.buf, enc)
 	return unsafe.Pointer(&sl.buf[off])
 }
 
@@ -95,7 +91,7 @@ func (k *packer) packEncoding(enc []byte) unsafe.Pointer {
 // encoding of size bytes goes, counting it in the slab's live bytes; nil
 // if it is not packed.
 func (k *packer) room(size int) (*slab, int) {
-	n := protowire.SizeVarint(uint64(size)) + size
+	n := bareLen(size)
 	if n > maxPackedBytes {
 		return nil, 0
 	}
@@ -244,8 +240,6 @@ func (s *Store) evacuate(sl *slab) (live int64) {
 
 // copyBare returns a bare encoding of enc in an allocation of its own.
 func copyBare(enc []byte) unsafe.Pointer {
-	buf := make([]byte, 0, protowire.SizeVarint(uint64(len(enc)))+len(enc))
-	buf = protowire.AppendVarint(buf, uint64(len(enc)))
-	buf = append(buf, enc...)
+	buf := appendBareEncoding(make([]byte, 0, bareLen(len(enc))), enc)
 	return unsafe.Pointer(unsafe.SliceData(buf))
 }
