@@ -15,6 +15,7 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/broadcast"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/etcderr"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
@@ -63,7 +64,11 @@ type Checker struct {
 	// between two looks at Fallback, and a watch stream that ran across
 	// it must still end.
 	failures atomic.Uint64
-	checks   *prometheus.CounterVec
+	// failedSignal is notified at every failed check, after failures
+	// and fallback are set: the watch streams wait on it instead of
+	// polling Failures.
+	failedSignal broadcast.Signal
+	checks       *prometheus.CounterVec
 	// failedAt is the follower's load count when a check failed: the next
 	// check waits for the reload that follows.
 	failedAt atomic.Int64
@@ -99,6 +104,10 @@ func New(cfg Config) *Checker {
 
 // Failures returns how many checks have found the cache inconsistent.
 func (c *Checker) Failures() uint64 { return c.failures.Load() }
+
+// NextFailure returns a channel closed when a check next finds the cache
+// inconsistent, once Failures and Fallback say so.
+func (c *Checker) NextFailure() <-chan struct{} { return c.failedSignal.Wait() }
 
 // Fallback reports whether every read must go to etcd: the last check
 // found the cache inconsistent and none has passed since.
@@ -269,6 +278,7 @@ func (c *Checker) Check(ctx context.Context) (Result, error) {
 	c.failedAt.Store(c.cfg.Follower.Loads())
 	c.failures.Add(1)
 	c.fallback.Store(true)
+	c.failedSignal.Notify()
 	c.cfg.Follower.Reload("inconsistent")
 	select {
 	case c.failed <- struct{}{}:

@@ -259,7 +259,7 @@ func (f *Follower) loadKeyspace(ctx context.Context, at *pb.ResponseHeader, hist
 		f.store.ResetLoad(loadRev, load, compactRev)
 		f.timeline.loaded(clusterID)
 		f.loads.Add(1) // before waking waiters, which may be waiting for it
-		f.changes.notify()
+		f.changes.Notify()
 		f.lg.Info("loaded the keyspace from etcd",
 			zap.Int64("revision", loadRev),
 			zap.Int64("compact-revision", compactRev),

@@ -12,6 +12,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/broadcast"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -92,7 +93,7 @@ type Follower struct {
 	upstream *upstreamState
 	version  *versionTracker
 	leader   leaderState
-	changes  notifier
+	changes  broadcast.Signal
 	// beforeCompact, if set, runs before each compaction drops the history
 	// below it (SetBeforeCompact).
 	beforeCompact atomic.Pointer[func()]
@@ -319,7 +320,7 @@ func (f *Follower) Loads() int64 { return f.loads.Load() }
 
 // Changed returns a channel that is closed the next time the store advances
 // (events applied, a progress notification, a load) or is reset.
-func (f *Follower) Changed() <-chan struct{} { return f.changes.wait() }
+func (f *Follower) Changed() <-chan struct{} { return f.changes.Wait() }
 
 // loaded records a load that reset the store: it serves once the store
 // reaches target, at once unless the load replays etcd's history.
@@ -335,5 +336,5 @@ func (f *Follower) advanced() {
 	if f.life.advanced(f.store.Rev()) {
 		f.lg.Info("cache is ready", zap.Int64("revision", f.store.Rev()))
 	}
-	f.changes.notify()
+	f.changes.Notify()
 }

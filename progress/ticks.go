@@ -11,6 +11,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/broadcast"
 )
 
 // progressTicker learns etcd's periodic progress interval
@@ -22,7 +23,7 @@ import (
 type progressTicker struct {
 	wc    pb.WatchClient
 	lg    *zap.Logger
-	ticks notifier
+	ticks broadcast.Signal
 }
 
 // run keeps the idle watch open until ctx is done.
@@ -66,7 +67,7 @@ func (t *progressTicker) watch(ctx context.Context, bo *backoff.Backoff) error {
 		case resp.Created:
 			bo.Reset()
 		case len(resp.Events) == 0:
-			t.ticks.notify()
+			t.ticks.Notify()
 		}
 	}
 }
@@ -74,4 +75,4 @@ func (t *progressTicker) watch(ctx context.Context, bo *backoff.Backoff) error {
 // PeriodicProgress returns a channel closed at etcd's next periodic
 // progress notification, so that the proxy notifies its idle watchers at
 // etcd's interval.
-func (f *Follower) PeriodicProgress() <-chan struct{} { return f.ticker.ticks.wait() }
+func (f *Follower) PeriodicProgress() <-chan struct{} { return f.ticker.ticks.Wait() }

@@ -12,6 +12,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/broadcast"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/etcderr"
 )
 
@@ -48,8 +49,8 @@ var (
 
 // timeline holds what the proxy knows of the history it follows.
 type timeline struct {
-	epoch   atomic.Uint64 // moves on every change; watchers of an older epoch end
-	changed notifier      // woken when epoch moves
+	epoch   atomic.Uint64    // moves on every change; watchers of an older epoch end
+	changed broadcast.Signal // woken when epoch moves
 	// pending is set from a change until the reload that follows it is
 	// done; while it is, signs are not looked for (the old timeline's
 	// answers and the new one's mix).
@@ -96,7 +97,7 @@ func (t *timeline) check(h *pb.ResponseHeader) string {
 // is found to differ from the store's, and a channel closed when it next
 // moves. A watch created at an older epoch must end.
 func (f *Follower) Epoch() (uint64, <-chan struct{}) {
-	ch := f.timeline.changed.wait()
+	ch := f.timeline.changed.Wait()
 	return f.timeline.epoch.Load(), ch
 }
 
@@ -134,8 +135,8 @@ func (f *Follower) timelineChanged(sign string, detail error) {
 	f.life.reloading()
 	f.verified.Store(0)
 	f.timeline.epoch.Add(1)
-	f.timeline.changed.notify()
-	f.changes.notify()
+	f.timeline.changed.Notify()
+	f.changes.Notify()
 	f.m.observeTimelineChange(sign)
 	f.lg.Error("etcd's history differs from the cache's (restored from a snapshot, or another cluster): serving from etcd, ending every watch as compacted and reloading",
 		zap.String("sign", sign), zap.Int64("store-revision", f.store.Rev()), zap.Error(detail))
