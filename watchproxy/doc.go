@@ -15,8 +15,12 @@
 // mirrored above the store's head, and reads on from the history, unless
 // its slow client let the events it needs be dropped.
 //
-// A send loop is woken only by events that concern its watchers
-// (notifier, by key, as etcd's watchableStore.notify), and every 100ms.
+// A send loop has no timer: it is woken by its client's requests, by
+// events that concern its watchers (notifier, by key, as etcd's
+// watchableStore.notify), and by one goroutine for every stream for what
+// no event announces (streamWaker: the periodic progress tick, a failed
+// consistency check, a new epoch of etcd's history). An idle stream costs
+// nothing.
 //
 // Events are encoded once, not once per watcher: a server-wide cache holds
 // the newest revisions' events in their wire form, with and without

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -15,6 +16,7 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/broadcast"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
@@ -45,11 +47,11 @@ type fakeFollower struct {
 	waitFresh  func(ctx context.Context) (int64, error)
 	freshCalls int
 	epoch      uint64
-	epochMoved chan struct{} // closed when epoch moves
+	epochMoved chan struct{} // closed when epoch moves, and replaced, as the follower's
 }
 
 func newFakeFollower(store *revtree.Store) *fakeFollower {
-	return &fakeFollower{store: store, changed: make(chan struct{})}
+	return &fakeFollower{store: store, changed: make(chan struct{}), epochMoved: make(chan struct{})}
 }
 
 func (f *fakeFollower) Serving() bool { return true }
@@ -98,13 +100,29 @@ func (f *fakeFollower) Epoch() (uint64, <-chan struct{}) {
 	return f.epoch, f.epochMoved
 }
 
+// fakeConsistency is a consistency checker whose checks fail on demand.
+type fakeConsistency struct {
+	fallback atomic.Bool
+	failures atomic.Uint64
+	failed   broadcast.Signal
+}
+
+func (c *fakeConsistency) Fallback() bool               { return c.fallback.Load() }
+func (c *fakeConsistency) Failures() uint64             { return c.failures.Load() }
+func (c *fakeConsistency) NextFailure() <-chan struct{} { return c.failed.Wait() }
+
+// fail is a failed check, as hashcheck.Checker records one.
+func (c *fakeConsistency) fail() {
+	c.failures.Add(1)
+	c.fallback.Store(true)
+	c.failed.Notify()
+}
+
 // changeEpoch moves the epoch, as a restore of etcd does.
 func (f *fakeFollower) changeEpoch() {
 	f.mu.Lock()
 	f.epoch++
-	if f.epochMoved != nil {
-		close(f.epochMoved)
-	}
+	close(f.epochMoved)
 	f.epochMoved = make(chan struct{})
 	f.mu.Unlock()
 }

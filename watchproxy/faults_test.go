@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"slices"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -279,8 +278,8 @@ func TestWatchCatchupStalledClientsDoNotStarveOthers(t *testing.T) {
 // ends with Unavailable; a new stream is relayed to etcd.
 func TestWatchInconsistentEndsRunningStreams(t *testing.T) {
 	up := newFakeUpstream()
-	var inconsistent atomic.Bool
-	w := newWorldAt(t, 1, up, func(cfg *Config) { cfg.Inconsistent = inconsistent.Load })
+	checker := &fakeConsistency{}
+	w := newWorldAt(t, 1, up, func(cfg *Config) { cfg.Consistency = checker })
 	fs := newFakeStream()
 	defer fs.cancel()
 	done := make(chan error, 1)
@@ -292,7 +291,7 @@ func TestWatchInconsistentEndsRunningStreams(t *testing.T) {
 		t.Fatalf("got revisions %v, want [2]", got)
 	}
 
-	inconsistent.Store(true) // nothing else happens: the loop must look
+	checker.fail() // nothing else happens: no event, no reload
 	cancels := map[int64]*pb.WatchResponse{}
 	for range 2 {
 		r := fs.next(t)

@@ -19,11 +19,15 @@ const notifyScanRevs = 256
 //
 // Like etcd's synced watchers, which move with the head whatever its
 // writes' keys, a synced watcher moves past the revisions the scans found
-// nothing of its in without reading the history (skipQuiet), and the
-// follower has the notifier scan before it compacts (Server.SyncWatchers):
-// a compaction, which drops the history below it at once, never finds a
-// quiet watcher behind it. A send loop still wakes on its own at least
-// every inconsistentPoll and delivers.
+// nothing of its in without reading the history (skipQuiet), whenever its
+// send loop runs a pass. A quiet watcher's position may therefore lag
+// behind the store for as long as nothing wakes its stream; that is
+// harmless but in two places, which wake the streams concerned: the
+// follower has the notifier scan before it compacts, then every stream
+// run a pass (Server.SyncWatchers), so that a compaction, which drops the
+// history below it at once, never finds a quiet watcher behind it; and a
+// stream whose requested progress waits for its watchers to reach a
+// revision is woken once the scans have (wakeWhenScanned).
 //
 // Why no event is missed: a stream registers a watcher's range before its
 // next deliver reads the store's revision. Every revision up to scanned
@@ -45,6 +49,9 @@ type notifier struct {
 	// scanned is the revision up to which every event has woken the
 	// streams it concerns; guarded by mu.
 	scanned int64
+	// scanWaiters are the streams to wake once scanned reaches a
+	// revision (wakeWhenScanned); guarded by mu.
+	scanWaiters map[*stream]int64
 
 	startOnce sync.Once
 	stop      chan struct{} // closed by close
@@ -79,10 +86,11 @@ func (r keyRange) contains(key []byte) bool {
 
 func newNotifier(store Store, follower Follower) *notifier {
 	return &notifier{
-		store:     store,
-		follower:  follower,
-		interests: map[*stream]map[int64]*interest{},
-		stop:      make(chan struct{}),
+		store:       store,
+		follower:    follower,
+		interests:   map[*stream]map[int64]*interest{},
+		scanWaiters: map[*stream]int64{},
+		stop:        make(chan struct{}),
 	}
 }
 
@@ -171,6 +179,32 @@ func (n *notifier) leave(st *stream) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	delete(n.interests, st)
+	delete(n.scanWaiters, st)
+}
+
+// wakeWhenScanned wakes st once the scans have reached rev, at once if
+// they have. Only st's send loop calls it.
+func (n *notifier) wakeWhenScanned(st *stream, rev int64) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.scanned >= rev {
+		// Scanned since the pass's skipQuiet: another pass moves the
+		// quiet watchers that far.
+		st.wakeUp()
+		return
+	}
+	n.scanWaiters[st] = rev
+}
+
+// wakeScanWaiters wakes the streams waiting for the scans to reach
+// scanned. Called with mu held.
+func (n *notifier) wakeScanWaiters() {
+	for st, rev := range n.scanWaiters {
+		if n.scanned >= rev {
+			st.wakeUp()
+			delete(n.scanWaiters, st)
+		}
+	}
 }
 
 func (n *notifier) run() {
@@ -234,6 +268,7 @@ func (n *notifier) wakeConcerned(batches []revtree.Batch, complete int64) {
 		}
 	}
 	n.scanned = complete
+	n.wakeScanWaiters()
 }
 
 // wakeAll wakes every stream and moves scanned to rev, forgetting what
@@ -248,6 +283,7 @@ func (n *notifier) wakeAll(rev int64) {
 		st.wakeUp()
 	}
 	n.scanned = rev
+	clear(n.scanWaiters) // every stream is woken
 }
 
 // concerns reports whether any event of batches is in any of rs, and

@@ -86,6 +86,28 @@ type Gate interface {
 	RelayWatch(ctx context.Context) bool
 }
 
+// Consistency is what the Watch service needs of the consistency checker
+// (hashcheck.Checker).
+type Consistency interface {
+	// Fallback reports whether the last check found the store
+	// inconsistent, and none has passed since.
+	Fallback() bool
+	// Failures counts the checks that found the store inconsistent: a
+	// stream that ran while the count moved ends, even if the fallback
+	// was over before the stream looked at Fallback.
+	Failures() uint64
+	// NextFailure returns a channel closed at the next failed check, once
+	// Failures and Fallback say so.
+	NextFailure() <-chan struct{}
+}
+
+// neverInconsistent is the Consistency of a proxy without a checker.
+type neverInconsistent struct{}
+
+func (neverInconsistent) Fallback() bool               { return false }
+func (neverInconsistent) Failures() uint64             { return 0 }
+func (neverInconsistent) NextFailure() <-chan struct{} { return nil }
+
 // Config configures a Server.
 type Config struct {
 	Store    Store
@@ -101,14 +123,11 @@ type Config struct {
 	// FragmentBytes is where etcd splits a fragmenting watcher's
 	// responses: its --max-request-bytes plus 512 KiB.
 	FragmentBytes int
-	// Inconsistent, if set, reports that the consistency checker found the
-	// store inconsistent: new streams are relayed to etcd, and running
-	// ones end their watchers as compacted (stream.endRelist).
-	Inconsistent func() bool
-	// Inconsistencies, if set, counts the times the store was found
-	// inconsistent: a stream that ran while the count moved ends, even if
-	// the fallback was over before the stream looked at Inconsistent.
-	Inconsistencies func() uint64
+	// Consistency is the consistency checker (hashcheck.Checker): while
+	// it holds the store inconsistent, new streams are relayed to etcd,
+	// and running ones end their watchers as compacted
+	// (stream.endRelist). nil: a store never found inconsistent.
+	Consistency Consistency
 	// Gate is the auth gate (gate.Gate): etcd's permission check of each
 	// watch create, and which streams only etcd can serve. nil:
 	// gate.Unchecked, a proxy in front of an etcd without auth.
@@ -122,20 +141,20 @@ type Config struct {
 type Server struct {
 	pb.UnsafeWatchServer
 
-	store           Store
-	follower        Follower
-	upstream        pb.WatchClient
-	inconsistent    func() bool
-	inconsistencies func() uint64
-	gate            Gate
-	interval        time.Duration
-	followEtcd      bool // periodic progress ticks with etcd's (interval is then the fallback)
-	maxBytes        int
-	lg              *zap.Logger
-	m               *Metrics
+	store       Store
+	follower    Follower
+	upstream    pb.WatchClient
+	consistency Consistency
+	gate        Gate
+	interval    time.Duration
+	followEtcd  bool // periodic progress ticks with etcd's (interval is then the fallback)
+	maxBytes    int
+	lg          *zap.Logger
+	m           *Metrics
 
-	enc    *encodings // events encoded once for every stream
-	notify *notifier  // wakes the streams new events concern
+	enc    *encodings   // events encoded once for every stream
+	notify *notifier    // wakes the streams new events concern
+	waker  *streamWaker // wakes the streams for ticks, failed checks, new epochs
 
 	catchups     chan struct{} // semaphore of upstream catch-up watches
 	catchupStall time.Duration // catchupStall; tests shorten it
@@ -158,41 +177,45 @@ func New(cfg Config) *Server {
 	if cfg.FragmentBytes <= 0 {
 		cfg.FragmentBytes = defaultFragmentBytes
 	}
-	if cfg.Inconsistencies == nil {
-		cfg.Inconsistencies = func() uint64 { return 0 }
-	}
-	if cfg.Inconsistent == nil {
-		cfg.Inconsistent = func() bool { return false }
+	if cfg.Consistency == nil {
+		cfg.Consistency = neverInconsistent{}
 	}
 	if cfg.Gate == nil {
 		cfg.Gate = gate.Unchecked{}
 	}
-	return &Server{
-		store:           cfg.Store,
-		follower:        cfg.Follower,
-		upstream:        cfg.Upstream,
-		inconsistent:    cfg.Inconsistent,
-		inconsistencies: cfg.Inconsistencies,
-		gate:            cfg.Gate,
-		interval:        cfg.ProgressNotifyInterval,
-		followEtcd:      followEtcd,
-		maxBytes:        cfg.FragmentBytes,
-		lg:              cfg.Logger,
-		m:               cfg.Metrics,
-		enc:             newEncodings(defaultEncodedBytes, defaultEncodedRevs, cfg.Metrics),
-		notify:          newNotifier(cfg.Store, cfg.Follower),
-		catchups:        make(chan struct{}, maxCatchups),
-		catchupStall:    catchupStall,
-		closing:         make(chan struct{}),
+	s := &Server{
+		store:        cfg.Store,
+		follower:     cfg.Follower,
+		upstream:     cfg.Upstream,
+		consistency:  cfg.Consistency,
+		gate:         cfg.Gate,
+		interval:     cfg.ProgressNotifyInterval,
+		followEtcd:   followEtcd,
+		maxBytes:     cfg.FragmentBytes,
+		lg:           cfg.Logger,
+		m:            cfg.Metrics,
+		enc:          newEncodings(defaultEncodedBytes, defaultEncodedRevs, cfg.Metrics),
+		notify:       newNotifier(cfg.Store, cfg.Follower),
+		catchups:     make(chan struct{}, maxCatchups),
+		catchupStall: catchupStall,
+		closing:      make(chan struct{}),
 	}
+	s.waker = newStreamWaker(cfg.Follower, cfg.Consistency, s.progressInterval, followEtcd)
+	return s
 }
 
 // SyncWatchers makes the server take note of every event the store holds
-// now. The follower calls it before a compaction drops the history below
-// it (progress.Follower.SetBeforeCompact): a watcher that no event
-// concerned then moves past the compaction, as etcd's synced watchers do,
-// instead of finding the events between its position and the head gone.
-func (s *Server) SyncWatchers() { s.notify.sync() }
+// now, and wakes every stream. The follower calls it before a compaction
+// drops the history below it (progress.Follower.SetBeforeCompact): a
+// watcher that no event concerned then moves past the compaction, as
+// etcd's synced watchers do, instead of finding the events between its
+// position and the head gone. Only a wake moves a quiet watcher (its
+// stream has no timer), and this is when a lagging position would cost
+// it its watch.
+func (s *Server) SyncWatchers() {
+	s.notify.sync()
+	s.waker.wakeAll()
+}
 
 // Close ends every stream with etcd's "server stopped", which clients
 // retry elsewhere. It lets a graceful stop finish, since watch streams
@@ -201,6 +224,7 @@ func (s *Server) Close() {
 	s.closeOnce.Do(func() {
 		close(s.closing)
 		s.notify.close()
+		s.waker.close()
 	})
 }
 
@@ -208,7 +232,7 @@ func (s *Server) Close() {
 func (s *Server) Watch(gs pb.Watch_WatchServer) error {
 	ctx := gs.Context()
 	md, _ := metadata.FromIncomingContext(ctx)
-	if s.inconsistent() || s.gate.RelayWatch(ctx) {
+	if s.consistency.Fallback() || s.gate.RelayWatch(ctx) {
 		// While the store is found inconsistent, etcd answers; and only
 		// etcd can check some callers' permissions.
 		s.m.relayed()
@@ -226,6 +250,7 @@ func (s *Server) Watch(gs pb.Watch_WatchServer) error {
 		leaderLost = ch
 	}
 	s.notify.start()
+	s.waker.start()
 	st := newStream(s, gs, leaderLost)
 	s.m.streamOpened()
 	defer s.m.streamClosed()

@@ -7,7 +7,7 @@ import (
 	"io"
 	"math"
 	"sync"
-	"time"
+	"sync/atomic"
 
 	"go.uber.org/zap"
 	"google.golang.org/grpc/codes"
@@ -39,14 +39,6 @@ var errInconsistent = status.Error(codes.Unavailable, "etcd-snapcache: the cache
 // longer has.
 var errTimeline = status.Error(codes.Unavailable, "etcd-snapcache: etcd's history changed (restored or replaced); retry")
 
-// inconsistentPoll is how often a send loop with nothing else to do looks
-// at Config.Inconsistent, which has no channel to wait on (the fallback
-// also stops the feed and reloads the store, which wakes the loop too),
-// and delivers: it bounds how far its watchers' positions lag behind the
-// store while no event concerns them (notifier), as etcd's syncWatchers
-// runs every 100ms.
-const inconsistentPoll = 100 * time.Millisecond
-
 // ready is always closed: selecting on it never blocks.
 var ready = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
@@ -58,7 +50,7 @@ var ready = func() chan struct{} { c := make(chan struct{}); close(c); return c 
 // catch-ups) is counted in wg, and close waits for them.
 type stream struct {
 	epoch uint64 // of etcd's history when the stream began (Follower.Epoch)
-	// inconsistencies is Config.Inconsistencies when the stream began.
+	// inconsistencies is Consistency.Failures when the stream began.
 	inconsistencies uint64
 	s               *Server
 	gs              pb.Watch_WatchServer
@@ -69,8 +61,15 @@ type stream struct {
 	reqs    chan *pb.WatchRequest // requests, in order, from the receive loop
 	recvErr chan error            // the receive loop's final error (not io.EOF)
 	// wake is signalled (never blocking) when the store has events for a
-	// watcher of the stream (notifier).
+	// watcher of the stream (notifier), and for what streamWaker wakes
+	// it for.
 	wake chan struct{}
+	// progressDue is set by streamWaker's tick: the send loop sends the
+	// periodic progress on its next pass.
+	progressDue atomic.Bool
+	// progressWatchers counts the stream's progress_notify watchers, which
+	// streamWaker ticks for; written by the send loop only.
+	progressWatchers atomic.Int32
 
 	// Fields below are touched only by the send loop (run).
 	watchers map[int64]*watcher
@@ -120,7 +119,7 @@ func newStream(s *Server, gs pb.Watch_WatchServer, leaderLost <-chan struct{}) *
 	epoch, _ := s.follower.Epoch()
 	return &stream{
 		epoch:           epoch,
-		inconsistencies: s.inconsistencies(),
+		inconsistencies: s.consistency.Failures(),
 		s:               s,
 		gs:              gs,
 		ctx:             ctx,
@@ -137,29 +136,29 @@ func newStream(s *Server, gs pb.Watch_WatchServer, leaderLost <-chan struct{}) *
 
 // run is the send loop. It returns when the client goes away, a send fails,
 // the upstream loses its leader (for streams that require one), or the
-// server closes.
+// server closes. It has no timer: it runs a pass when something wakes it
+// (a request, an event of its watchers, streamWaker), and sleeps
+// otherwise.
 func (st *stream) run() error {
 	defer st.close()
+	st.s.waker.join(st)
 	go st.recvLoop()
-	ticker := time.NewTicker(st.s.progressInterval())
-	defer ticker.Stop()
-	poll := time.NewTicker(inconsistentPoll)
-	defer poll.Stop()
 	for {
-		var etcdTick <-chan struct{}
-		if st.s.followEtcd {
-			etcdTick = st.s.follower.PeriodicProgress()
-		}
-		if st.s.inconsistent() || st.s.inconsistencies() != st.inconsistencies {
+		if st.s.consistency.Fallback() || st.s.consistency.Failures() != st.inconsistencies {
 			return st.endRelist("the cache was found inconsistent with etcd", errInconsistent)
 		}
-		epoch, epochMoved := st.s.follower.Epoch()
-		if epoch != st.epoch {
+		if epoch, _ := st.s.follower.Epoch(); epoch != st.epoch {
 			return st.endRelist("etcd's history changed (restored from a snapshot, or another cluster)", errTimeline)
 		}
 		more, err := st.deliver()
 		if err != nil {
 			return err
+		}
+		if st.progressDue.Swap(false) {
+			// The tick's progress reports what the pass just sent.
+			if err := st.periodicProgress(); err != nil {
+				return err
+			}
 		}
 		if err := st.answerProgress(); err != nil {
 			return err
@@ -176,16 +175,8 @@ func (st *stream) run() error {
 			st.onFresh(res)
 		case b := <-st.catchupc:
 			err = st.onCatchup(b)
-		case <-ticker.C:
-			err = st.progressTick()
-		case <-etcdTick:
-			// etcd's own tick; the ticker stays the fallback.
-			ticker.Reset(st.s.progressInterval())
-			err = st.progressTick()
 		case <-st.wake:
-		case <-epochMoved:
 		case <-proceed:
-		case <-poll.C:
 		case <-st.leaderLost:
 			err = rpctypes.ErrGRPCNoLeader
 		case <-st.s.closing:
@@ -208,6 +199,7 @@ func (st *stream) wakeUp() {
 }
 
 func (st *stream) close() {
+	st.s.waker.leave(st)
 	st.s.notify.leave(st)
 	st.cancel()
 	st.wg.Wait()
@@ -314,6 +306,9 @@ func (st *stream) create(cr *pb.WatchCreateRequest) error {
 	w.synced = cr.StartRevision == 0 || (cr.StartRevision > rev && cr.StartRevision >= st.s.store.CompactRev())
 	w.idle = true
 	st.watchers[id] = w
+	if w.progressNotify {
+		st.progressWatchers.Add(1)
+	}
 	st.s.notify.watch(st, id, w.keyRange)
 	st.s.m.watchersAdded(1)
 	return st.gs.Send(&pb.WatchResponse{Header: st.header(rev), WatchId: id, Created: true})
@@ -333,6 +328,9 @@ func (st *stream) remove(w *watcher) {
 		w.cancelCatchup()
 	}
 	delete(st.watchers, w.id)
+	if w.progressNotify {
+		st.progressWatchers.Add(-1)
+	}
 	st.s.notify.unwatch(st, w.id)
 	st.s.m.watchersRemoved(1)
 }
@@ -675,18 +673,25 @@ func (st *stream) answerProgress() error {
 		st.progressProven, st.progressUnchecked, st.progressChecking = nil, 0, 0
 		return nil
 	}
-	rev := int64(math.MaxInt64)
+	rev, startsAfter := int64(math.MaxInt64), int64(0)
 	for _, w := range st.watchers {
 		if w.catchingUp || w.compacted {
-			return nil // etcd sends none while a watcher is not synced
-		}
-		rev = min(rev, w.nextRev-1)
-	}
-	for _, w := range st.watchers {
-		// As etcd, no progress while a watcher starts beyond it.
-		if w.startRev > rev {
+			// etcd sends none while a watcher is not synced; the
+			// catch-up's end, or the client's cancel, wakes the loop.
 			return nil
 		}
+		rev = min(rev, w.nextRev-1)
+		startsAfter = max(startsAfter, w.startRev)
+	}
+	// As etcd, no progress while a watcher starts beyond it.
+	if want := max(st.progressProven[0].rev, startsAfter); rev < want {
+		// A pass moves the watchers up to the store's revision, but a
+		// watcher that starts beyond it waits for the store to get
+		// there, with writes that may concern no watcher of the
+		// stream: the notifier wakes the loop once it has scanned that
+		// far (a pass cut short goes on by itself).
+		st.s.notify.wakeWhenScanned(st, want)
+		return nil
 	}
 	for len(st.progressProven) > 0 && st.progressProven[0].rev <= rev {
 		for range st.progressProven[0].n {
@@ -699,20 +704,12 @@ func (st *stream) answerProgress() error {
 	return nil
 }
 
-// progressTick delivers what the stream's watchers have not been sent yet,
-// then sends the periodic progress: a watcher's progress is the revision
-// it has been sent everything up to, which the notifier lets lag behind
-// the store while no event concerns it.
-func (st *stream) progressTick() error {
-	if _, err := st.deliver(); err != nil {
-		return err
-	}
-	return st.periodicProgress()
-}
-
 // periodicProgress is etcd's progress ticker: each progress_notify watcher
 // that was sent no events since the last tick gets a notification of the
 // revision it has been sent everything up to, unless it starts beyond it.
+// The pass before it moved the quiet watchers with what the notifier has
+// scanned, so that revision is not behind the store by more than the
+// notifier is.
 func (st *stream) periodicProgress() error {
 	for _, w := range st.watchers {
 		if !w.progressNotify || w.compacted {

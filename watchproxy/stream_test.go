@@ -13,6 +13,8 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"go.etcd.io/etcd/server/v3/storage/mvcc"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
 // checkRefused checks etcd's answer to a create it refuses: created and
@@ -535,4 +537,41 @@ func TestWatchCloseEndsStreamsWithStopped(t *testing.T) {
 	if err := w.srv.Watch(late); !errors.Is(err, rpctypes.ErrGRPCStopped) {
 		t.Fatalf("Watch opened after Close: %v, want %v", err, rpctypes.ErrGRPCStopped)
 	}
+}
+
+// TestWatchProgressAnsweredOnceAFutureStartIsReached: a requested progress
+// waits while a watcher starts beyond the stream's revision, as etcd's
+// does, and is answered once the store reaches that start, though no event
+// concerns the stream: the stream has no timer to wake it then, and the
+// notifier must.
+func TestWatchProgressAnsweredOnceAFutureStartIsReached(t *testing.T) {
+	w := newWorld(t)
+	called, fresh := w.follower.controlWaitFresh()
+	fs := w.watch()
+	checkCreated(t, fs.create(t, &pb.WatchCreateRequest{Key: []byte("k")}), 0, 1)
+	checkCreated(t, fs.create(t, &pb.WatchCreateRequest{Key: []byte("k"), StartRevision: 4}), 1, 1)
+	w.apply(put("other", "1")) // 2
+	fs.send(t, progressReq())
+	waitClosed(t, called, "WaitFresh for the progress request")
+	select {
+	case fresh <- 2:
+	case <-time.After(waitTimeout):
+		t.Fatal("WaitFresh did not take its answer")
+	}
+	// The loop has the proof once it asks to be woken at the start.
+	testsupport.WaitFor(t, waitTimeout, "the send loop to wait for revision 4", func() bool {
+		w.srv.notify.mu.Lock()
+		defer w.srv.notify.mu.Unlock()
+		return len(w.srv.notify.scanWaiters) == 1
+	})
+	if before := fs.barrier(t); len(before) != 0 {
+		t.Fatalf("with the store at 2, below watcher 1's start 4: %v, want nothing", before)
+	}
+	w.apply(put("other", "2")) // 3
+	w.apply(put("other", "3")) // 4
+	r := fs.next(t)
+	if !isProgress(r) {
+		t.Fatalf("got %v, want the progress notification", r)
+	}
+	checkHeader(t, r, 4)
 }
