@@ -6,6 +6,7 @@ import (
 	"math"
 	"os"
 	"runtime/debug"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -19,13 +20,16 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
-// memoryLimitServer is what startMemoryLimit needs of a server.
+// memoryLimitServer is what startMemoryLimit needs of a server. Its live
+// heap is the store's alone: the test process's own (an embedded etcd's
+// among it) is not the proxy's.
 func memoryLimitServer(limit int64) *Server {
 	return &Server{
 		cfg:      Config{MemoryLimit: limit},
 		lg:       zap.NewNop(),
 		registry: prometheus.NewRegistry(),
 		store:    revtree.New(revtree.DefaultDegree),
+		heapLive: func() int64 { return 0 },
 	}
 }
 
@@ -117,6 +121,37 @@ func TestMemoryLimitAuto(t *testing.T) {
 	other.wg.Wait()
 	if got := debug.SetMemoryLimit(-1); got != before {
 		t.Fatalf("limit %d after the server stopped, want the %d it found", got, before)
+	}
+}
+
+// TestMemoryLimitAutoFollowsTheLiveHeap: an automatic limit is never below
+// what the live heap needs, whatever the store's estimate, so that what
+// the store does not count (connections, streams) never holds the heap
+// above the limit, with the collector running without end.
+func TestMemoryLimitAutoFollowsTheLiveHeap(t *testing.T) {
+	withoutGOMEMLIMIT(t)
+	before := debug.SetMemoryLimit(-1)
+	s := memoryLimitServer(MemoryLimitAuto)
+	var live atomic.Int64
+	s.heapLive = live.Load
+	ctx, cancel := context.WithCancel(context.Background())
+	s.startMemoryLimit(ctx)
+	cg, _ := memlimit.CgroupLimit()
+	want := memlimit.Policy{FollowLive: true, Cgroup: cg}
+	if got := debug.SetMemoryLimit(-1); got != want.Limit(0) {
+		t.Fatalf("limit %d for an empty store and heap, want %d", got, want.Limit(0))
+	}
+	live.Store(512 << 20) // an empty store, and 512 MiB of connections
+	if grown := want.Limit(512 << 20); grown != want.Limit(0) {
+		testsupport.WaitFor(t, 10*time.Second, "the limit to follow the live heap", func() bool {
+			d := debug.SetMemoryLimit(-1) - grown
+			return max(d, -d) <= grown/32
+		})
+	}
+	cancel()
+	s.wg.Wait()
+	if got := debug.SetMemoryLimit(-1); got != before {
+		t.Fatalf("limit %d after the server stopped, want %d as before", got, before)
 	}
 }
 

@@ -53,6 +53,9 @@ type Server struct {
 	// persister keeps the cache's copy on disk; nil without PersistDir.
 	persister *persist.Persister
 	registry  *prometheus.Registry
+	// heapLive is the live heap of the last collection, which an
+	// automatic memory limit never goes below (runtimeHeapLive).
+	heapLive func() int64
 
 	grpcServer *grpc.Server
 	clientLis  net.Listener // gRPC and HTTP
@@ -106,7 +109,7 @@ func Start(cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
-	s := &Server{cfg: cfg, lg: cfg.Logger, errc: make(chan error, 4), registry: prometheus.NewRegistry(), now: make(chan struct{})}
+	s := &Server{cfg: cfg, lg: cfg.Logger, errc: make(chan error, 4), registry: prometheus.NewRegistry(), heapLive: runtimeHeapLive, now: make(chan struct{})}
 	s.stopped, s.stopStream = context.WithCancel(context.Background())
 	s.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var err error
