@@ -177,6 +177,27 @@
 //     the proxy its top frames; BenchmarkProfileSummary
 //     (-snapcache.e2e.cp-profiles, -snapcache.e2e.cp-profile-secs) reads
 //     saved ones again.
+//   - BenchmarkQuietCluster: what the proxy costs a quiet cluster, where
+//     most clusters spend most of their time. etcd holds
+//     -snapcache.e2e.quiet-keys (100k) keys of 1 KiB; one proxy process
+//     with default flags follows it throughout. Windows of
+//     -snapcache.e2e.quiet-window (20 s), CPU per second of each process
+//     from /proc: no client at all ("idle"); -snapcache.e2e.quiet-write-rate
+//     (20) single-key puts/s to etcd with no other client ("writes": the
+//     proxy's CPU per write, over idle); for each count of
+//     -snapcache.e2e.quiet-streams (200,2000), that many idle watch
+//     streams, one a connection, each with one watch of a prefix with
+//     prev_kv and progress_notify from the head (kube-apiserver's cacher's
+//     shape), on etcd directly and then through the proxy (the proxy's CPU
+//     per stream, over idle); and for the first count, the streams with
+//     the puts, sent through the side measured. The streams watch
+//     -snapcache.e2e.quiet-prefixes (1: every stream the whole keyspace,
+//     so every put is an event on every stream; 100: a namespace each, a
+//     few streams a put). SUMMARY lines: etcd's and the proxy's CPU in
+//     ms/s and resident memory, etcd's watchers, watch streams and
+//     requests per second, events received per second, and etcd+proxy
+//     over etcd direct. With -snapcache.e2e.pprof, the proxy's CPU profile
+//     of each of its windows is saved under $TMPDIR (quiet-pprof-*).
 //   - BenchmarkHistoryMemory: the proxy's heap per retained revision,
 //     without a history budget, and its heap under a budget
 //     (--max-history-bytes). Here the proxy runs in the benchmark's
@@ -280,7 +301,9 @@
 // BenchmarkControlPlane's -snapcache.e2e.cp-objects, .cp-apiservers,
 // .cp-nodes, .cp-informers, .cp-steady, .cp-settle, .cp-rounds, .cp-rate,
 // .cp-watchlist, .cp-storm-load, .cp-topology, .cp-timeout (and .pprof,
-// .tls); BenchmarkHistoryMemory's
+// .tls); BenchmarkQuietCluster's -snapcache.e2e.quiet-keys, .quiet-value,
+// .quiet-streams, .quiet-prefixes, .quiet-write-rate, .quiet-write-value,
+// .quiet-window, .quiet-rounds (and .pprof); BenchmarkHistoryMemory's
 // -snapcache.e2e.keys, .revisions, .value, .budget, .writers; BenchmarkKeyspaceMemory's
 // -snapcache.e2e.keyspace-keys, .keyspace-value, .keyspace-steady,
 // .keyspace-modes, .keyspace-profiles; BenchmarkRestart's
