@@ -187,8 +187,8 @@
 //     proxy's CPU per write, over idle); for each count of
 //     -snapcache.e2e.quiet-streams (200,2000), that many idle watch
 //     streams, one a connection, each with one watch of a prefix with
-//     prev_kv and progress_notify from the head (kube-apiserver's cacher's
-//     shape), on etcd directly and then through the proxy (the proxy's CPU
+//     prev_kv (unless -snapcache.e2e.quiet-prevkv=false) and
+//     progress_notify from the head (kube-apiserver's cacher's shape), on etcd directly and then through the proxy (the proxy's CPU
 //     per stream, over idle); and for the first count, the streams with
 //     the puts, sent through the side measured. The streams watch
 //     -snapcache.e2e.quiet-prefixes (1: every stream the whole keyspace,
@@ -302,7 +302,7 @@
 // .cp-nodes, .cp-informers, .cp-steady, .cp-settle, .cp-rounds, .cp-rate,
 // .cp-watchlist, .cp-storm-load, .cp-topology, .cp-timeout (and .pprof,
 // .tls); BenchmarkQuietCluster's -snapcache.e2e.quiet-keys, .quiet-value,
-// .quiet-streams, .quiet-prefixes, .quiet-write-rate, .quiet-write-value,
+// .quiet-streams, .quiet-prefixes, .quiet-prevkv, .quiet-write-rate, .quiet-write-value,
 // .quiet-window, .quiet-rounds (and .pprof); BenchmarkHistoryMemory's
 // -snapcache.e2e.keys, .revisions, .value, .budget, .writers; BenchmarkKeyspaceMemory's
 // -snapcache.e2e.keyspace-keys, .keyspace-value, .keyspace-steady,

@@ -27,6 +27,7 @@ var (
 	quietValue      = flag.Int("snapcache.e2e.quiet-value", 1024, "BenchmarkQuietCluster: value size of the loaded keys")
 	quietStreams    = flag.String("snapcache.e2e.quiet-streams", "200,2000", "BenchmarkQuietCluster: watch streams of the idle phases, comma-separated; the first is also the streams+writes phase's")
 	quietPrefixes   = flag.Int("snapcache.e2e.quiet-prefixes", 1, "BenchmarkQuietCluster: distinct prefixes the streams watch (1: every stream the whole keyspace; up to 100: a namespace each)")
+	quietPrevKV     = flag.Bool("snapcache.e2e.quiet-prevkv", true, "BenchmarkQuietCluster: the streams' watches ask for prev_kv, as kube-apiserver's do")
 	quietWriteRate  = flag.Int("snapcache.e2e.quiet-write-rate", 20, "BenchmarkQuietCluster: single-key puts per second of the write phases")
 	quietWriteValue = flag.Int("snapcache.e2e.quiet-write-value", 256, "BenchmarkQuietCluster: value size of those puts")
 	quietWindow     = flag.Duration("snapcache.e2e.quiet-window", 20*time.Second, "BenchmarkQuietCluster: length of each measured window")
@@ -45,9 +46,10 @@ var (
 //	               -snapcache.e2e.quiet-write-value bytes to etcd, no
 //	               other client: what following etcd costs the proxy;
 //	streams=N      N watch streams, one a connection, each with one
-//	               watch of a prefix (prev_kv, progress_notify, from the
-//	               head, as kube-apiserver's cacher watches), nothing
-//	               written: direct on etcd, then through the proxy;
+//	               watch of a prefix (prev_kv unless
+//	               -snapcache.e2e.quiet-prevkv=false, progress_notify,
+//	               from the head, as kube-apiserver's cacher watches),
+//	               nothing written: direct on etcd, then through the proxy;
 //	streams=N+writes  the first N with the puts, sent through the side
 //	               measured (as kube-apiserver writes).
 //
@@ -368,7 +370,7 @@ func (ws *quietWatches) receive(ctx context.Context, wc pb.WatchClient, prefix [
 	stream, err := wc.Watch(clientv3.WithRequireLeader(ctx))
 	if err == nil {
 		err = stream.Send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CreateRequest{CreateRequest: &pb.WatchCreateRequest{
-			Key: prefix, RangeEnd: []byte(clientv3.GetPrefixRangeEnd(string(prefix))), PrevKv: true, ProgressNotify: true,
+			Key: prefix, RangeEnd: []byte(clientv3.GetPrefixRangeEnd(string(prefix))), PrevKv: *quietPrevKV, ProgressNotify: true,
 		}}})
 	}
 	var resp *pb.WatchResponse
