@@ -1,6 +1,10 @@
 package revtree
 
 import (
+	"encoding/binary"
+	"slices"
+	"unsafe"
+
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
@@ -11,8 +15,8 @@ import (
 // Result is a Range's answer from a view (View.Result). Its key-values
 // are kept as the store holds them, unless the request needed KeyValues
 // to sort, filter or strip; Response makes the RangeResponse, and Size
-// and AppendTo size and encode that response from the stored encodings
-// without making it.
+// and AppendPieces size and encode that response without making it, its
+// key-values' fields being the stored bytes themselves.
 type Result struct {
 	// Header, Count and More are the response's. The caller may change
 	// them (the header's cluster fields; a stream's chunk) before it
@@ -93,55 +97,192 @@ func (x *Result) Size() int {
 }
 
 // AppendTo appends the encoding of the response, the bytes proto.Marshal
-// gives, with each stored key-value's encoding copied rather than made
-// again.
+// gives: its pieces (AppendPieces), one after the other.
 func (x *Result) AppendTo(b []byte) ([]byte, error) {
-	var err error
-	if x.Header != nil {
-		b = protowire.AppendVarint(b, rangeHeaderTag)
-		b = protowire.AppendVarint(b, uint64(proto.Size(x.Header)))
-		if b, err = (proto.MarshalOptions{UseCachedSize: true}).MarshalAppend(b, x.Header); err != nil {
-			return nil, err
-		}
+	pieces, err := x.AppendPieces(nil)
+	if err != nil {
+		return nil, err
 	}
-	if x.made {
-		for _, kv := range x.kvs {
-			if b, err = appendKVField(b, x.storedEncoding(kv), kv); err != nil {
-				return nil, err
-			}
-		}
-	} else {
-		for _, ver := range x.vs {
-			enc := versionEncoding(ver)
-			var kv *mvccpb.KeyValue
-			if enc == nil {
-				kv = &ver.entry().kv
-			}
-			if b, err = appendKVField(b, enc, kv); err != nil {
-				return nil, err
-			}
-		}
-	}
-	if x.More {
-		b = append(b, rangeMoreTag, 1)
-	}
-	if x.Count != 0 {
-		b = protowire.AppendVarint(b, rangeCountTag)
-		b = protowire.AppendVarint(b, uint64(x.Count))
+	for _, p := range pieces {
+		b = append(b, p...)
 	}
 	return b, nil
 }
 
-// appendKVField appends a kvs field: enc, the stored encoding, or kv
-// encoded if enc is nil.
-func appendKVField(b, enc []byte, kv *mvccpb.KeyValue) ([]byte, error) {
-	b = protowire.AppendVarint(b, rangeKVTag)
-	if enc != nil {
-		b = protowire.AppendVarint(b, uint64(len(enc)))
-		return append(b, enc...), nil
+// AppendPieces appends the encoding of the response, the bytes
+// proto.Marshal gives, to pieces, as byte slices to be sent one after the
+// other, and returns them. A stored key-value's kvs field is its stored
+// bytes themselves (entry.go), and the fields of key-values packed one
+// after the other in a slab are one piece: a read copies none of them. The
+// rest (the header, more and count, a key-value without a stored encoding
+// or stripped to its key, and fields under minPieceBytes, cheaper to copy
+// than to send as pieces of their own) is copied into one buffer of the
+// result's own. No piece is ever written again, and each keeps what it
+// points into alive: the pieces may be sent after the view is gone, and
+// any number of times.
+//
+// The pieces and the buffer are counted first, so that each takes one
+// allocation of its size rather than the garbage of growing.
+func (x *Result) AppendPieces(pieces [][]byte) ([][]byte, error) {
+	c := pieceWriter{count: true}
+	if err := x.writePieces(&c); err != nil {
+		return nil, err
 	}
-	b = protowire.AppendVarint(b, uint64(proto.Size(kv)))
-	return (proto.MarshalOptions{UseCachedSize: true}).MarshalAppend(b, kv)
+	w := pieceWriter{out: slices.Grow(pieces, c.pieces), own: make([]byte, 0, c.ownBytes)}
+	if err := x.writePieces(&w); err != nil {
+		return nil, err
+	}
+	return w.out, nil
+}
+
+// minPieceBytes is the least size of a field that is a piece of its own:
+// a piece costs its slice and slot (40 bytes) and, in gRPC's transport,
+// more than copying a small field does; and fields of at least 256 bytes
+// leave at most 64 pieces to each 16 KiB HTTP/2 frame, the most the
+// transport's writer keeps room for.
+const minPieceBytes = 256
+
+// writePieces writes the response's pieces to w.
+func (x *Result) writePieces(w *pieceWriter) error {
+	if x.Header != nil {
+		if err := w.encode(rangeHeaderTag, x.Header); err != nil {
+			return err
+		}
+	}
+	if x.made {
+		for _, kv := range x.kvs {
+			if enc := x.storedEncoding(kv); enc != nil {
+				w.stored(field(enc), false)
+			} else if err := w.encode(rangeKVTag, kv); err != nil {
+				return err
+			}
+		}
+	} else {
+		for _, ver := range x.vs {
+			if enc := versionEncoding(ver); enc != nil {
+				w.stored(field(enc), ver.isPacked())
+			} else if err := w.encode(rangeKVTag, &ver.entry().kv); err != nil {
+				return err
+			}
+		}
+	}
+	if x.More {
+		w.copy([]byte{rangeMoreTag, 1})
+	}
+	if x.Count != 0 {
+		var b [1 + binary.MaxVarintLen64]byte
+		w.copy(protowire.AppendVarint(append(b[:0], rangeCountTag), uint64(x.Count)))
+	}
+	w.endRun()
+	w.flush()
+	return nil
+}
+
+// pieceWriter makes the pieces of a response (AppendPieces), or, with
+// count, counts them and the bytes of its own buffer.
+type pieceWriter struct {
+	count    bool
+	pieces   int  // counted
+	ownBytes int  // counted
+	pending  bool // counted: own bytes not yet in a piece
+
+	out [][]byte
+	// own holds the bytes the store does not; own[flushed:] are not yet
+	// a piece. It has room for all of them: its pieces are slices of
+	// one array, never written again.
+	own     []byte
+	flushed int
+
+	// run is the fields packed one after the other in a slab added last,
+	// not yet a piece.
+	run []byte
+}
+
+// stored adds f, a stored key-value's field (field), packed in a slab or
+// not. A packed field that starts where the run ends joins it: a slab's
+// last byte is never written (pack.go), so a packed field that ends at
+// some address is in the slab of the one that starts there.
+func (w *pieceWriter) stored(f []byte, packed bool) {
+	if packed && len(w.run) > 0 &&
+		uintptr(unsafe.Pointer(unsafe.SliceData(w.run)))+uintptr(len(w.run)) == uintptr(unsafe.Pointer(unsafe.SliceData(f))) {
+		w.run = unsafe.Slice(unsafe.SliceData(w.run), len(w.run)+len(f))
+		return
+	}
+	w.endRun()
+	if packed {
+		w.run = f
+		return
+	}
+	w.span(f)
+}
+
+// endRun adds the run.
+func (w *pieceWriter) endRun() {
+	if len(w.run) > 0 {
+		run := w.run
+		w.run = nil
+		w.span(run)
+	}
+}
+
+// span adds b, stored bytes: a piece, or copied if it is small.
+func (w *pieceWriter) span(b []byte) {
+	switch {
+	case len(b) < minPieceBytes:
+		w.copy(b)
+	case w.count:
+		w.flush()
+		w.pieces++
+	default:
+		w.flush()
+		w.out = append(w.out, b)
+	}
+}
+
+// copy adds b to the own bytes.
+func (w *pieceWriter) copy(b []byte) {
+	w.endRun()
+	if w.count {
+		w.ownBytes += len(b)
+		w.pending = true
+		return
+	}
+	w.own = append(w.own, b...)
+}
+
+// encode adds m, encoded as the length-delimited field of tag.
+func (w *pieceWriter) encode(tag byte, m proto.Message) error {
+	w.endRun()
+	n := proto.Size(m)
+	if w.count {
+		w.ownBytes += 1 + protowire.SizeVarint(uint64(n)) + n
+		w.pending = true
+		return nil
+	}
+	w.own = protowire.AppendVarint(append(w.own, tag), uint64(n))
+	var err error
+	w.own, err = (proto.MarshalOptions{UseCachedSize: true}).MarshalAppend(w.own, m)
+	return err
+}
+
+// flush makes a piece of the own bytes not yet in one.
+func (w *pieceWriter) flush() {
+	switch {
+	case w.count && w.pending:
+		w.pieces++
+		w.pending = false
+	case !w.count && len(w.own) > w.flushed:
+		w.out = append(w.out, w.own[w.flushed:len(w.own):len(w.own)])
+		w.flushed = len(w.own)
+	}
+}
+
+// field returns the kvs field of a stored encoding: the encoding after
+// the tag and the length that precede it in the store (entry.go).
+func field(enc []byte) []byte {
+	n := 1 + protowire.SizeVarint(uint64(len(enc)))
+	start := unsafe.Add(unsafe.Pointer(unsafe.SliceData(enc)), -n)
+	return unsafe.Slice((*byte)(start), n+len(enc))
 }
 
 // storedEncoding returns the stored encoding of kv, a made key-value of the
