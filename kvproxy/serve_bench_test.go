@@ -41,7 +41,7 @@ import (
 // receive: the benchmark's allocations and CPU profile are the server's.
 // 10k keys of 1 KiB (and of 128 B) are loaded at R, then 2000 single-key
 // updates follow; the whole keyspace is read (linearizable) at R, a page
-// of 500 at R, and the whole keyspace at the head. "churned" rewrites
+// of 500 at R, the whole keyspace at the head, and one key at the head. "churned" rewrites
 // every key after the load and compacts: each key-value is then a piece of
 // its own. "limit=auto" runs under the automatic soft memory limit the
 // server sets (internal/memlimit), "limit=off" without one. Beside ns/op
@@ -56,18 +56,22 @@ func BenchmarkServeRange(b *testing.B) {
 		env := newServeBenchEnv(b, 10_000, data.value, data.updates, data.churn)
 		for _, limit := range []string{"off", "auto"} {
 			for _, tc := range []struct {
-				name  string
-				rev   int64
-				limit int64
-			}{{"all", env.rev, 0}, {"limit=500", env.rev, 500}, {"head", 0, 0}} {
-				if data.churn && tc.rev != 0 {
+				name string
+				r    *pb.RangeRequest
+			}{
+				{"all", &pb.RangeRequest{Key: []byte("key/"), RangeEnd: []byte("key0"), Revision: env.rev}},
+				{"limit=500", &pb.RangeRequest{Key: []byte("key/"), RangeEnd: []byte("key0"), Revision: env.rev, Limit: 500}},
+				{"head", &pb.RangeRequest{Key: []byte("key/"), RangeEnd: []byte("key0")}},
+				{"get", &pb.RangeRequest{Key: []byte("key/00004242")}},
+			} {
+				if data.churn && tc.r.Revision != 0 {
 					continue // compacted
 				}
 				b.Run(fmt.Sprintf("%s/%s/limit=%s", data.name, tc.name, limit), func(b *testing.B) {
 					if limit == "auto" {
 						defer env.autoLimit()()
 					}
-					env.run(b, &pb.RangeRequest{Key: []byte("key/"), RangeEnd: []byte("key0"), Revision: tc.rev, Limit: tc.limit}, 4)
+					env.run(b, tc.r, 4)
 				})
 			}
 		}

@@ -13,7 +13,7 @@ import (
 // A load's bare encodings (entry.go) are packed one after the other into
 // slabs of slabBytes, rather than allocated one by one: the allocator
 // rounds each allocation up to its size class, 7% for a 1 KiB value
-// (1,075 bytes take 1,152), and a slab, a large object, is not rounded.
+// (1,076 bytes take 1,152), and a slab, a large object, is not rounded.
 //
 // A slab lives while anything points into it. So that the encodings the
 // index no longer holds (a rewritten or deleted key's, once the sweep
