@@ -29,6 +29,13 @@ type Result struct {
 	vs   []version          // the key-values as stored, unless made
 	kvs  []*mvccpb.KeyValue // the key-values, if made
 	made bool
+
+	// What the last Size counted, for AppendPieces: the pieces, and the
+	// bytes of the result's own buffer. A change to the result since (a
+	// header set after it was sized) leaves them short, which costs
+	// AppendPieces a larger allocation and nothing else.
+	sized            bool
+	pieces, ownBytes int
 }
 
 // Len returns the number of key-values.
@@ -67,33 +74,14 @@ const (
 	rangeCountTag  = 4<<3 | 0 // count, varint
 )
 
-// Size returns the encoded size of the response: proto.Size's.
+// Size returns the encoded size of the response: proto.Size's. It counts
+// the pieces AppendPieces makes as it goes, so that AppendPieces need not
+// walk the key-values once more to size them.
 func (x *Result) Size() int {
-	n := 0
-	if x.Header != nil {
-		n += bytesFieldSize(proto.Size(x.Header))
-	}
-	if x.made {
-		for _, kv := range x.kvs {
-			if enc := x.storedEncoding(kv); enc != nil {
-				n += bytesFieldSize(len(enc))
-			} else {
-				n += bytesFieldSize(proto.Size(kv))
-			}
-		}
-	} else {
-		for _, ver := range x.vs {
-			if enc := versionEncoding(ver); enc != nil {
-				n += bytesFieldSize(len(enc))
-			} else {
-				n += bytesFieldSize(proto.Size(&ver.entry().kv))
-			}
-		}
-	}
-	if x.More {
-		n += 2
-	}
-	return n + varintFieldSize(x.Count)
+	c := pieceWriter{count: true}
+	x.writePieces(&c) // counting fails on nothing
+	x.sized, x.pieces, x.ownBytes = true, c.pieces, c.ownBytes
+	return c.ownBytes + c.storedBytes
 }
 
 // AppendTo appends the encoding of the response, the bytes proto.Marshal
@@ -121,14 +109,14 @@ func (x *Result) AppendTo(b []byte) ([]byte, error) {
 // points into alive: the pieces may be sent after the view is gone, and
 // any number of times.
 //
-// The pieces and the buffer are counted first, so that each takes one
-// allocation of its size rather than the garbage of growing.
+// The pieces and the buffer are counted first (by Size, if the caller
+// sized the result), so that each takes one allocation of its size rather
+// than the garbage of growing.
 func (x *Result) AppendPieces(pieces [][]byte) ([][]byte, error) {
-	c := pieceWriter{count: true}
-	if err := x.writePieces(&c); err != nil {
-		return nil, err
+	if !x.sized {
+		x.Size()
 	}
-	w := pieceWriter{out: slices.Grow(pieces, c.pieces), own: make([]byte, 0, c.ownBytes)}
+	w := pieceWriter{out: slices.Grow(pieces, x.pieces), own: make([]byte, 0, x.ownBytes)}
 	if err := x.writePieces(&w); err != nil {
 		return nil, err
 	}
@@ -181,10 +169,11 @@ func (x *Result) writePieces(w *pieceWriter) error {
 // pieceWriter makes the pieces of a response (AppendPieces), or, with
 // count, counts them and the bytes of its own buffer.
 type pieceWriter struct {
-	count    bool
-	pieces   int  // counted
-	ownBytes int  // counted
-	pending  bool // counted: own bytes not yet in a piece
+	count       bool
+	pieces      int  // counted
+	ownBytes    int  // counted
+	storedBytes int  // counted: of the store's bytes in pieces
+	pending     bool // counted: own bytes not yet in a piece
 
 	out [][]byte
 	// own holds the bytes the store does not; own[flushed:] are not yet
@@ -233,6 +222,7 @@ func (w *pieceWriter) span(b []byte) {
 	case w.count:
 		w.flush()
 		w.pieces++
+		w.storedBytes += len(b)
 	default:
 		w.flush()
 		w.out = append(w.out, b)

@@ -19,7 +19,8 @@ import (
 // minPieceBytes, copied into the result's own buffer: fields packed one
 // after the other in a slab make one piece, which never reaches past its
 // slab nor includes the slab's last byte, so that no piece spans two
-// allocations. The counting pass counts exactly what is made.
+// allocations. The counting pass counts exactly what is made, and counts
+// gone stale (the header changed after Size) cost nothing but room.
 // Checked for a loaded keyspace of many slabs (values of every size up to
 // past maxPackedBytes, which are not packed; and fields of 64 bytes each,
 // which fill slabs of a multiple of 64 bytes to the last byte but for the
@@ -123,6 +124,16 @@ func testResultPieces(t *testing.T, r *rand.Rand, size func() int) {
 			t.Fatalf("%s: no piece is a slab's bytes: the fields were copied", name)
 		}
 		t.Logf("%s: %d key-values in %d pieces, %d of them in slabs", name, x.Len(), len(pieces), stored)
+
+		// Sized, then changed: the counts are short, the bytes right.
+		x.Size()
+		x.Header, x.More, x.Count = &pb.ResponseHeader{ClusterId: 1 << 60, MemberId: 7, Revision: rev, RaftTerm: 3}, true, 1<<40
+		if want, err = proto.Marshal(x.Response()); err != nil {
+			t.Fatal(err)
+		}
+		if pieces, err = x.AppendPieces(nil); err != nil || !bytes.Equal(bytes.Join(pieces, nil), want) {
+			t.Fatalf("%s: changed after Size, the pieces are not proto.Marshal's bytes (%v)", name, err)
+		}
 	}
 	// A header, each slab's run and each unpacked value between, a count.
 	check("loaded", keys, 2*len(s.slabs.slabs)+keys/50)
