@@ -41,9 +41,13 @@ import (
 // receive: the benchmark's allocations and CPU profile are the server's.
 // 10k keys of 1 KiB (and of 128 B) are loaded at R, then 2000 single-key
 // updates follow; the whole keyspace is read (linearizable) at R, a page
-// of 500 at R, the whole keyspace at the head, and one key at the head. "churned" rewrites
-// every key after the load and compacts: each key-value is then a piece of
-// its own. "limit=auto" runs under the automatic soft memory limit the
+// of 500 at R, the whole keyspace at the head, and one key at the head.
+// "written" applies the keys one revision each rather than loading them,
+// as a proxy that followed their writes holds them (each an entry while
+// history retains its event, a piece of its own); "churned" rewrites every
+// key after the load and compacts (each a bare encoding of its own, a
+// piece of its own if large enough). "limit=auto" runs under the automatic
+// soft memory limit the
 // server sets (internal/memlimit), "limit=off" without one. Beside ns/op
 // (4 reads at a time), it reports the server's CPU per read, user and
 // system (cpu-ms/op), and its collections per read (GCs/op).
@@ -51,9 +55,14 @@ func BenchmarkServeRange(b *testing.B) {
 	for _, data := range []struct {
 		name           string
 		value, updates int
-		churn          bool
-	}{{"value=1024", 1024, 2000, false}, {"value=128", 128, 2000, false}, {"value=128/churned", 128, 0, true}} {
-		env := newServeBenchEnv(b, 10_000, data.value, data.updates, data.churn)
+		written, churn bool
+	}{
+		{"value=1024", 1024, 2000, false, false},
+		{"value=1024/written", 1024, 2000, true, false},
+		{"value=128", 128, 2000, false, false},
+		{"value=128/churned", 128, 0, false, true},
+	} {
+		env := newServeBenchEnv(b, 10_000, data.value, data.updates, data.written, data.churn)
 		for _, limit := range []string{"off", "auto"} {
 			for _, tc := range []struct {
 				name string
@@ -90,7 +99,7 @@ type serveBenchEnv struct {
 	rev    int64 // R: the load's
 }
 
-func newServeBenchEnv(b *testing.B, keys, valueSize, updates int, churn bool) *serveBenchEnv {
+func newServeBenchEnv(b *testing.B, keys, valueSize, updates int, written, churn bool) *serveBenchEnv {
 	b.Helper()
 	store := revtree.New(0)
 	rng := rand.New(rand.NewPCG(1, 2))
@@ -106,7 +115,16 @@ func newServeBenchEnv(b *testing.B, keys, valueSize, updates int, churn bool) *s
 		kvs[i] = &mvccpb.KeyValue{Key: fmt.Appendf(nil, "key/%08d", i), Value: value(), CreateRevision: int64(i + 1), ModRevision: int64(i + 1), Version: 1}
 	}
 	rev := int64(keys)
-	store.Reset(rev, kvs, 0)
+	if written {
+		store.Reset(0, nil, 0)
+		for i, kv := range kvs {
+			if _, err := store.Apply(int64(i+1), []*mvccpb.Event{{Type: mvccpb.PUT, Kv: kv}}); err != nil {
+				b.Fatal(err)
+			}
+		}
+	} else {
+		store.Reset(rev, kvs, 0)
+	}
 	put := func(j int) {
 		k := kvs[j]
 		kv := &mvccpb.KeyValue{Key: k.Key, Value: value(), CreateRevision: k.CreateRevision, ModRevision: store.Rev() + 1, Version: k.Version + 1}
