@@ -3,6 +3,7 @@ package revtree
 import (
 	"encoding/binary"
 	"slices"
+	"sync"
 	"unsafe"
 
 	"google.golang.org/protobuf/encoding/protowire"
@@ -30,11 +31,15 @@ type Result struct {
 	kvs  []*mvccpb.KeyValue // the key-values, if made
 	made bool
 
+	// fields are the stored fields of the key-values (field), nil for
+	// one that has none, found by Size for AppendPieces, which walks
+	// them rather than the key-values (each a cache miss or two for a
+	// written key's entry) and gives them back to fieldsPool.
+	fields *[][]byte
 	// What the last Size counted, for AppendPieces: the pieces, and the
 	// bytes of the result's own buffer. A change to the result since (a
 	// header set after it was sized) leaves them short, which costs
 	// AppendPieces a larger allocation and nothing else.
-	sized            bool
 	pieces, ownBytes int
 }
 
@@ -59,6 +64,7 @@ func (x *Result) LastKey() []byte {
 
 // Response returns the RangeResponse: etcd's answer to the request.
 func (x *Result) Response() *pb.RangeResponse {
+	x.releaseFields()
 	kvs := x.kvs
 	if !x.made {
 		kvs = makeKVs(x.vs)
@@ -74,14 +80,63 @@ const (
 	rangeCountTag  = 4<<3 | 0 // count, varint
 )
 
-// Size returns the encoded size of the response: proto.Size's. It counts
-// the pieces AppendPieces makes as it goes, so that AppendPieces need not
-// walk the key-values once more to size them.
+// Size returns the encoded size of the response: proto.Size's. It finds
+// the key-values' stored fields and counts the pieces AppendPieces makes
+// of them, so that AppendPieces need not walk the key-values again.
 func (x *Result) Size() int {
+	if x.fields == nil {
+		x.fields = getFields(x.Len())
+	}
+	fields := (*x.fields)[:x.Len()]
+	if x.made {
+		for i, kv := range x.kvs {
+			fields[i] = nil
+			if enc := x.storedEncoding(kv); enc != nil {
+				fields[i] = field(enc)
+			}
+		}
+	} else {
+		for i, ver := range x.vs {
+			fields[i] = nil
+			if enc := versionEncoding(ver); enc != nil {
+				fields[i] = field(enc)
+			}
+		}
+	}
 	c := pieceWriter{count: true}
 	x.writePieces(&c) // counting fails on nothing
-	x.sized, x.pieces, x.ownBytes = true, c.pieces, c.ownBytes
+	x.pieces, x.ownBytes = c.pieces, c.ownBytes
 	return c.ownBytes + c.storedBytes
+}
+
+// fieldsPool holds the fields of Results (Result.fields) between reads:
+// a large read's would be as much garbage as its pieces.
+var fieldsPool sync.Pool // of *[][]byte
+
+// maxPooledFields bounds the fields kept in fieldsPool (6 MiB): a read of
+// more key-values allocates its own.
+const maxPooledFields = 256 << 10
+
+func getFields(n int) *[][]byte {
+	if f, ok := fieldsPool.Get().(*[][]byte); ok && cap(*f) >= n {
+		return f
+	}
+	f := make([][]byte, n)
+	return &f
+}
+
+// releaseFields gives the fields Size found back, cleared (they point
+// into the store), if it kept them.
+func (x *Result) releaseFields() {
+	f := x.fields
+	if f == nil {
+		return
+	}
+	x.fields = nil
+	if cap(*f) <= maxPooledFields {
+		clear((*f)[:cap(*f)])
+		fieldsPool.Put(f)
+	}
 }
 
 // AppendTo appends the encoding of the response, the bytes proto.Marshal
@@ -113,9 +168,10 @@ func (x *Result) AppendTo(b []byte) ([]byte, error) {
 // sized the result), so that each takes one allocation of its size rather
 // than the garbage of growing.
 func (x *Result) AppendPieces(pieces [][]byte) ([][]byte, error) {
-	if !x.sized {
+	if x.fields == nil {
 		x.Size()
 	}
+	defer x.releaseFields()
 	w := pieceWriter{out: slices.Grow(pieces, x.pieces), own: make([]byte, 0, x.ownBytes)}
 	if err := x.writePieces(&w); err != nil {
 		return nil, err
@@ -130,26 +186,23 @@ func (x *Result) AppendPieces(pieces [][]byte) ([][]byte, error) {
 // transport's writer keeps room for.
 const minPieceBytes = 256
 
-// writePieces writes the response's pieces to w.
+// writePieces writes the response's pieces to w, of its fields (Size).
 func (x *Result) writePieces(w *pieceWriter) error {
 	if x.Header != nil {
 		if err := w.encode(rangeHeaderTag, x.Header); err != nil {
 			return err
 		}
 	}
-	if x.made {
-		for _, kv := range x.kvs {
-			if enc := x.storedEncoding(kv); enc != nil {
-				w.stored(field(enc), false)
-			} else if err := w.encode(rangeKVTag, kv); err != nil {
+	for i, f := range (*x.fields)[:x.Len()] {
+		switch {
+		case f != nil:
+			w.stored(f, !x.made && x.vs[i].isPacked())
+		case x.made:
+			if err := w.encode(rangeKVTag, x.kvs[i]); err != nil {
 				return err
 			}
-		}
-	} else {
-		for _, ver := range x.vs {
-			if enc := versionEncoding(ver); enc != nil {
-				w.stored(field(enc), ver.isPacked())
-			} else if err := w.encode(rangeKVTag, &ver.entry().kv); err != nil {
+		default:
+			if err := w.encode(rangeKVTag, &x.vs[i].entry().kv); err != nil {
 				return err
 			}
 		}
