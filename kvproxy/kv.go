@@ -222,9 +222,10 @@ func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeRespon
 }
 
 // rangeMessage is Range for the gRPC server (Register): a response from
-// the store comes already encoded, a wirecodec.Encoded made of its header
-// and the store's encodings of its key-values, byte for byte what
-// proto.Marshal gives for the response Range would return.
+// the store comes already encoded, a wirecodec.Encoded whose pieces are
+// its header and the store's own bytes of its key-values (Result.
+// AppendPieces), byte for byte what proto.Marshal gives for the response
+// Range would return.
 func (s *Server) rangeMessage(ctx context.Context, r *pb.RangeRequest) (proto.Message, error) {
 	resp, enc, err := s.serveRange(ctx, r, true)
 	switch {
@@ -276,16 +277,21 @@ func (s *Server) serveRange(ctx context.Context, r *pb.RangeRequest, encode bool
 		return nil, nil, err
 	}
 	if encode {
-		enc, err = wirecodec.NewEncodedOnce(rangeResponseType, size, result.AppendTo)
+		pieces, err := result.AppendPieces(nil)
 		if err != nil {
 			s.releaseCached(held)
 			return nil, nil, status.Errorf(codes.Internal, "etcd-snapcache: encoding a range response: %v", err)
 		}
+		enc = wirecodec.NewEncodedSlices(rangeResponseType, pieces)
 	} else {
 		resp = result.Response()
 	}
 	// gRPC encodes and queues the response after the handler returns, and
-	// ends the call's context once it has: hold the bytes until then.
+	// ends the call's context once it has: hold the bytes until then. (A
+	// response in pieces keeps what it points into of the store alive
+	// until gRPC has written it, after the context ends, and most of it
+	// is the store's, which the store counts: the bytes held are an
+	// upper bound of what it adds.)
 	s.releaseCachedWhenDone(ctx, held)
 	s.m.observe(sourceCache, rt.reason)
 	if enc != nil {

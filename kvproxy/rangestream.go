@@ -141,19 +141,17 @@ func (s *Server) rangeStreamFromView(rt route, req *pb.RangeRequest, opts revtre
 	}
 }
 
-// sendChunk sends a chunk of the range, encoded from the store's encodings
-// of its key-values (see rangeMessage).
+// sendChunk sends a chunk of the range: its range_response field's tag
+// and length, then the chunk in pieces of the store's bytes (see
+// rangeMessage).
 func (s *Server) sendChunk(stream grpc.ServerStream, chunk *revtree.Result) error {
-	outSize := chunk.Size()
-	msg, err := wirecodec.NewEncodedOnce(rangeStreamResponseType, 1+protowire.SizeVarint(uint64(outSize))+outSize, func(b []byte) ([]byte, error) {
-		b = protowire.AppendTag(b, rangeStreamResponseField, protowire.BytesType)
-		b = protowire.AppendVarint(b, uint64(outSize))
-		return chunk.AppendTo(b)
-	})
+	field := protowire.AppendTag(nil, rangeStreamResponseField, protowire.BytesType)
+	field = protowire.AppendVarint(field, uint64(chunk.Size()))
+	pieces, err := chunk.AppendPieces([][]byte{field})
 	if err != nil {
 		return status.Errorf(codes.Internal, "etcd-snapcache: encoding a range stream response: %v", err)
 	}
-	return stream.SendMsg(msg)
+	return stream.SendMsg(wirecodec.NewEncodedSlices(rangeStreamResponseType, pieces))
 }
 
 // rangeStreamResponseField is RangeStreamResponse's range_response.

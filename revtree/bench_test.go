@@ -129,8 +129,9 @@ func BenchmarkApplyUnderBudget(b *testing.B) {
 // BenchmarkRangePast measures a Range at a past revision: 10k keys with 1 KiB
 // values loaded at revision 10000, then 2000 single-key updates; the Range
 // reads revision 10000, the whole keyspace or a first page of 500. "all"
-// makes the KeyValues (View.Range); "encoded" encodes the response from
-// the stored encodings, as kvproxy serves it (View.Result).
+// makes the KeyValues (View.Range); "encoded" makes the response's pieces,
+// the stored bytes themselves, as kvproxy sends them (View.Result,
+// Result.AppendPieces).
 func BenchmarkRangePast(b *testing.B) {
 	for _, degree := range benchDegrees {
 		benchRangePast(b, fmt.Sprintf("degree=%d", degree), degree, 1024, 2000, 0)
@@ -175,17 +176,16 @@ func benchRangePast(b *testing.B, name string, degree, valueSize, updates int, a
 			// cache keeps a slice per snapshot, so this measures the walk.
 			ks.s.SetMinFlatKVsForTest(1 << 30)
 			req := &pb.RangeRequest{Key: []byte{0}, RangeEnd: []byte{0}, Revision: past, Limit: tc.limit}
-			var buf []byte
 			b.ReportAllocs()
 			for b.Loop() {
 				if tc.encoded {
-					// The response encoded, as kvproxy sends it.
+					// The response in pieces, as kvproxy sends it.
 					v, err := ks.s.View(req.Revision)
 					if err != nil {
 						b.Fatal(err)
 					}
 					x := v.Result(req, revtree.RangeOptions{})
-					if buf, err = x.AppendTo(buf[:0]); err != nil || x.Len() != tc.want || x.Count != 10_000 {
+					if _, err := x.AppendPieces(nil); err != nil || x.Len() != tc.want || x.Count != 10_000 {
 						b.Fatalf("Result: %d kvs, count %d, %v", x.Len(), x.Count, err)
 					}
 					continue

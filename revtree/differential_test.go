@@ -7,10 +7,15 @@ package revtree_test
 // watch over the whole keyspace feeds every event, revision by revision, into
 // several revtree stores (one per B-tree degree), which are reset at revision
 // 1, etcd's empty initial revision, so every revision etcd still retains is
-// also retained by revtree. After every write, random RangeRequests at random
-// revisions are answered by etcd's own Range (etcdserver/txn.Range, the code
-// behind the KV.Range RPC) and by revtree, and must be identical: same error,
-// or proto.Equal responses (Kvs in order, Count, More, Header.Revision).
+// also retained by revtree; or, in half the runs, which load the keyspace
+// etcd holds after a first few writes and a compaction there, as the proxy
+// loads it (packed into slabs). After every write, random RangeRequests at
+// random revisions are answered by etcd's own Range (etcdserver/txn.Range,
+// the code behind the KV.Range RPC) and by revtree, and must be identical:
+// same error, or proto.Equal responses (Kvs in order, Count, More,
+// Header.Revision); revtree's response encoded from the stored encodings,
+// and in the pieces that a proxy sends, is byte for byte proto.Marshal's of
+// etcd's, and stays so while the stores move on.
 
 import (
 	"bytes"
@@ -114,6 +119,22 @@ type harness struct {
 	compares   int
 	ops        []string // the last writes, for failure messages
 	errs       int      // comparisons where both sides returned the same error
+
+	// sent are the pieces of some responses checked before, with the
+	// bytes they must still hold (checkSent): the last maxSent/2, and one
+	// in 64 of those for the 32 times longer (over many writes).
+	sent [maxSent]sentPieces
+	kept int // responses kept so far
+}
+
+// maxSent is how many responses' pieces a harness keeps checking.
+const maxSent = 32
+
+// sentPieces are the pieces of a response and the bytes they make.
+type sentPieces struct {
+	req    *pb.RangeRequest
+	pieces [][]byte
+	want   []byte
 }
 
 func newHarness(t testing.TB, degrees []int) *harness {
@@ -365,6 +386,52 @@ func (h *harness) compact(r source) {
 	}
 }
 
+// load writes most keys in a few revisions, compacts etcd at the last, and
+// resets every store with etcd's keyspace there, as the proxy loads it:
+// packed into slabs, which the writes after it rewrite, sweep and
+// evacuate. Values are larger than the writes', so that the keyspace
+// takes several slabs.
+func (h *harness) load(r source) {
+	for range 1 + r.IntN(3) {
+		w := h.write()
+		for _, k := range diffKeys {
+			if r.IntN(4) > 0 {
+				v := make([]byte, r.IntN(300))
+				for i := range v {
+					v[i] = byte(r.IntN(256))
+				}
+				w.put(k, v, h.randLease(r))
+			}
+		}
+		w.end()
+	}
+	cur := h.kv.Rev()
+	for got := h.rev; got < cur; {
+		select {
+		case wr := <-h.ws.Chan():
+			if len(wr.Events) > 0 {
+				got = wr.Events[len(wr.Events)-1].Kv.ModRevision
+			}
+		case <-time.After(10 * time.Second):
+			h.t.Fatalf("no watch response for revisions (%d, %d]", got, cur)
+		}
+	}
+	h.logOp(fmt.Sprintf("load(%d)", cur))
+	ch, err := h.kv.Compact(traceutil.TODO(), cur)
+	if err != nil {
+		h.t.Fatalf("etcd compact %d: %v", cur, err)
+	}
+	<-ch
+	rr, err := h.kv.Range(context.Background(), []byte{0}, []byte{}, mvcc.RangeOptions{Rev: cur})
+	if err != nil {
+		h.t.Fatalf("etcd range at %d: %v", cur, err)
+	}
+	for _, st := range h.stores {
+		st.Reset(cur, rr.KVs, cur)
+	}
+	h.rev, h.compactRev = cur, cur
+}
+
 // sync reads the watch responses of every revision etcd made since the last
 // sync and applies them to the revtree stores, one Apply per revision.
 func (h *harness) sync() {
@@ -587,11 +654,45 @@ func (h *harness) checkEncoding(req *pb.RangeRequest, got *revtree.Result, want 
 	if n := got.Size(); n != len(wantBytes) {
 		h.t.Fatalf("request %v: Result.Size %d, encoded %d bytes", req, n, len(wantBytes))
 	}
+	pieces, err := got.AppendPieces(nil)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	if joined := bytes.Join(pieces, nil); !bytes.Equal(joined, wantBytes) {
+		h.t.Fatalf("request %v: pieces\n%x\netcd's response encodes as\n%x", req, joined, wantBytes)
+	}
+	for _, p := range pieces {
+		if len(p) == 0 {
+			h.t.Fatalf("request %v: an empty piece in %q", req, pieces)
+		}
+	}
+	sp := sentPieces{req: req, pieces: pieces, want: wantBytes}
+	h.sent[h.kept%(maxSent/2)] = sp
+	if h.kept%64 == 0 {
+		h.sent[maxSent/2+h.kept/64%(maxSent/2)] = sp
+	}
+	h.kept++
 	if n := got.Len(); n != len(want.Kvs) {
 		h.t.Fatalf("request %v: Result.Len %d, etcd %d", req, n, len(want.Kvs))
 	}
 	if len(want.Kvs) > 0 && !bytes.Equal(got.LastKey(), want.Kvs[len(want.Kvs)-1].Key) {
 		h.t.Fatalf("request %v: Result.LastKey %q, etcd %q", req, got.LastKey(), want.Kvs[len(want.Kvs)-1].Key)
+	}
+}
+
+// checkSent verifies that the pieces of the responses kept still hold
+// their bytes: whatever the stores did since (writes, sweeps, evacuated
+// slabs, compactions, loads), nothing writes to memory a piece points
+// into.
+func (h *harness) checkSent() {
+	for _, s := range h.sent {
+		if s.req == nil {
+			continue
+		}
+		if joined := bytes.Join(s.pieces, nil); !bytes.Equal(joined, s.want) {
+			h.t.Fatalf("request %v: its pieces changed after it was answered, at revision %d (compactRev %d):\n%x\nwere\n%x\nlast writes:\n%s",
+				s.req, h.rev, h.compactRev, joined, s.want, strings.Join(h.ops, "\n"))
+		}
 	}
 }
 
@@ -661,12 +762,17 @@ func fixedRequests() []*pb.RangeRequest {
 // revision in [compactRev-2, rev+2].
 func runDifferential(t testing.TB, r source, steps, queries int, more func() bool) *harness {
 	h := newHarness(t, diffDegrees)
+	if r.IntN(2) == 0 {
+		h.load(r)
+	}
 	for i := 0; i < steps && more(); i++ {
 		h.step(r)
+		h.checkSent()
 		for range queries {
 			h.check(h.randRequest(r))
 		}
 	}
+	h.checkSent()
 	h.checkEvents()
 	for rev := h.compactRev - 2; rev <= h.rev+2; rev++ {
 		for _, req := range fixedRequests() {

@@ -27,7 +27,8 @@ import (
 //     it, are entries, which its version shares while the event is
 //     retained;
 //   - a bare encoding: the encoding alone, after its length as a varint
-//     (newBare; a load's are packed into slabs, pack.go), for the
+//     and its field's tag (newBare; a load's are packed into slabs,
+//     pack.go), for the
 //     keyspace a load read and for a key whose last
 //     put's event history no longer holds (the sweep turns its entry
 //     into its bare encoding). A read makes a KeyValue of it (kvMaker):
@@ -35,8 +36,14 @@ import (
 //     and at a million keys it is 115 MiB that reads only need for the
 //     moment they answer.
 //
-// An entry's encoding follows its length too, so that the sweep turns an
-// entry into its bare encoding without a copy.
+// An entry's encoding follows its length and the tag too, so that the
+// sweep turns an entry into its bare encoding without a copy.
+//
+// The tag is that of RangeResponse's kvs field (rangeKVTag): from the tag
+// on, a stored key-value's bytes are its field in a Range response as they
+// are, and a response is sent as pieces that are the stored bytes
+// themselves (Result.AppendPieces). Stored bytes are never written again:
+// a copy is what moves (the sweep's evacuation, pack.go).
 //
 // Invariant: every *mvccpb.KeyValue a store gives out for a put (a read's,
 // an event's Kv and PrevKv) is the kv field of an entry, made by newEntry
@@ -70,7 +77,7 @@ func newEntry(kv *mvccpb.KeyValue) *mvccpb.KeyValue {
 		setFields(&e.kv, kv, unknown)
 		return &e.kv
 	}
-	buf := protowire.AppendVarint(make([]byte, 0, bareLen(size)), uint64(size))
+	buf := appendBareHeader(make([]byte, 0, bareLen(size)), size)
 	enc, key, value := appendEncoding(buf[len(buf):], kv, unknown)
 	// Three-index slices: an append to Key or Value never writes into
 	// the encoding.
@@ -85,15 +92,14 @@ func newEntry(kv *mvccpb.KeyValue) *mvccpb.KeyValue {
 }
 
 // newBare returns the bare encoding of kv: its encoding, as newEntry makes
-// it, after its length. It returns nil for a key-value that is kept as an
-// entry only: one with no key or unknown fields, or past 2 GiB.
+// it, after its length and the tag. It returns nil for a key-value that is
+// kept as an entry only: one with no key or unknown fields, or past 2 GiB.
 func newBare(kv *mvccpb.KeyValue) unsafe.Pointer {
 	size, ok := bareSize(kv)
 	if !ok {
 		return nil
 	}
-	buf := appendBare(make([]byte, 0, bareLen(size)), kv, size)
-	return unsafe.Pointer(unsafe.SliceData(buf))
+	return bareAt(appendBare(make([]byte, 0, bareLen(size)), kv, size), 0)
 }
 
 // bareSize returns the size of kv's encoding, and whether kv can be kept
@@ -106,20 +112,30 @@ func bareSize(kv *mvccpb.KeyValue) (int, bool) {
 	return size, size <= 1<<31-1
 }
 
-// bareLen is the length of a bare encoding of an encoding of n bytes.
-func bareLen(n int) int { return protowire.SizeVarint(uint64(n)) + n }
+// bareLen is the length of a bare encoding of an encoding of n bytes, the
+// tag and the length included: the kvs field of n bytes.
+func bareLen(n int) int { return 1 + protowire.SizeVarint(uint64(n)) + n }
+
+// appendBareHeader appends what precedes an encoding of n bytes in its
+// bare encoding: the tag, then the length.
+func appendBareHeader(b []byte, n int) []byte {
+	return protowire.AppendVarint(append(b, rangeKVTag), uint64(n))
+}
+
+// bareAt returns the bare encoding appended to b at off: a pointer to its
+// length, after the tag.
+func bareAt(b []byte, off int) unsafe.Pointer { return unsafe.Pointer(&b[off+1]) }
 
 // appendBare appends the bare encoding of kv, whose encoding is size
 // bytes (bareSize).
 func appendBare(b []byte, kv *mvccpb.KeyValue, size int) []byte {
-	b = protowire.AppendVarint(b, uint64(size))
-	b, _, _ = appendEncoding(b, kv, nil)
+	b, _, _ = appendEncoding(appendBareHeader(b, size), kv, nil)
 	return b
 }
 
 // appendBareEncoding appends a bare encoding of enc.
 func appendBareEncoding(b, enc []byte) []byte {
-	return append(protowire.AppendVarint(b, uint64(len(enc))), enc...)
+	return append(appendBareHeader(b, len(enc)), enc...)
 }
 
 // appendEncoding appends kv's encoding, with unknown as its unknown
@@ -147,7 +163,8 @@ func appendEncoding(b []byte, kv *mvccpb.KeyValue, unknown []byte) (out []byte, 
 }
 
 // bare returns the entry's bare encoding, which its Key and Value are
-// slices of; nil if it has none (newBare's cases).
+// slices of; nil if it has none (newBare's cases). A bare encoding is
+// a pointer to its length, after the tag.
 func (e *entry) bare() unsafe.Pointer {
 	if e.encLen == 0 || !e.canonical {
 		return nil

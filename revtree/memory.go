@@ -13,8 +13,8 @@ import (
 // estimate is the object's size rounded up to the Go allocator's size class
 // (sizeClass), which is what the heap really spends on it.
 //
-//   - A stored KeyValue (entry.go): its encoding after its length, which
-//     holds its key and value (encodingBytes; packedBytes in a slab,
+//   - A stored KeyValue (entry.go): its encoding after its length and
+//     tag, which holds its key and value (encodingBytes; packedBytes in a slab,
 //     pack.go, whose bytes the index no longer holds count until the
 //     slab is evacuated: slabSet.dead), plus, for an entry, the entry
 //     (unsafe.Sizeof, 128 bytes: the KeyValue struct and its encoding's
@@ -151,7 +151,8 @@ func storedBytes(kv *mvccpb.KeyValue) int64 {
 	return entryBytes + bytesAlloc(len(kv.Key)) + bytesAlloc(len(kv.Value))
 }
 
-// encodingBytes is the heap an encoding of n bytes after its length takes.
+// encodingBytes is the heap a bare encoding of an encoding of n bytes
+// takes, allocated alone.
 func encodingBytes(n int) int64 { return bytesAlloc(bareLen(n)) }
 
 // versionBytes estimates what a version holds: its entry or its bare

@@ -13,7 +13,7 @@ import (
 // A load's bare encodings (entry.go) are packed one after the other into
 // slabs of slabBytes, rather than allocated one by one: the allocator
 // rounds each allocation up to its size class, 7% for a 1 KiB value
-// (1,075 bytes take 1,152), and a slab, a large object, is not rounded.
+// (1,076 bytes take 1,152), and a slab, a large object, is not rounded.
 //
 // A slab lives while anything points into it. So that the encodings the
 // index no longer holds (a rewritten or deleted key's, once the sweep
@@ -25,8 +25,9 @@ import (
 // slab, which is garbage once no view, event or read still points into
 // it. Until then its bytes that the index does not hold count in
 // ApproxBytes (slabSet.dead). A KeyValue an event or a read makes of a
-// packed encoding points into its slab too; events are what history
-// counts, reads and views are short-lived.
+// packed encoding points into its slab too, as does a Range response sent
+// as pieces of the stored bytes (Result.AppendPieces); events are what
+// history counts, reads, responses and views are short-lived.
 
 const (
 	// slabBytes is the size of a slab: a large object (over 32 KiB),
@@ -40,11 +41,14 @@ const (
 	maxPackedBytes = 4 << 10
 )
 
-// packedBytes is the heap an encoding of n bytes after its length takes in
-// a slab.
+// packedBytes is the heap a bare encoding of an encoding of n bytes takes
+// in a slab.
 func packedBytes(n int) int64 { return int64(bareLen(n)) }
 
-// slab is a buffer of packed encodings.
+// slab is a buffer of packed encodings. Its last byte is never written: a
+// bare encoding in it always ends inside it, so that one that starts where
+// another ends is in the same slab (Result.AppendPieces sends the two as
+// one piece).
 type slab struct {
 	buf  []byte // len: the bytes written; cap: the slab
 	live int64  // bytes of its encodings the writer's index holds
@@ -73,7 +77,7 @@ func (k *packer) pack(kv *mvccpb.KeyValue) unsafe.Pointer {
 	}
 	// Within the slab's capacity: the buffer is never reallocated.
 	sl.buf = appendBare(sl.buf, kv, size)
-	return unsafe.Pointer(&sl.buf[off])
+	return bareAt(sl.buf, off)
 }
 
 // packEncoding returns the packed bare encoding of enc, an encoding as
@@ -84,7 +88,7 @@ func (k *packer) packEncoding(enc []byte) unsafe.Pointer {
 		return nil
 	}
 	sl.buf = appendBareEncoding(sl.buf, enc)
-	return unsafe.Pointer(&sl.buf[off])
+	return bareAt(sl.buf, off)
 }
 
 // room returns the slab and the offset in it where a bare encoding of an
@@ -99,8 +103,8 @@ func (k *packer) room(size int) (*slab, int) {
 	if len(k.slabs) > 0 {
 		sl = k.slabs[len(k.slabs)-1]
 	}
-	if sl == nil || cap(sl.buf)-len(sl.buf) < n {
-		sl = k.newSlab(n)
+	if sl == nil || cap(sl.buf)-len(sl.buf) <= n { // not the last byte
+		sl = k.newSlab(n + 1)
 	}
 	sl.live += int64(n)
 	k.packed += n
@@ -205,7 +209,7 @@ func (set *slabSet) forget(sl *slab) {
 func (s *Store) evacuate(sl *slab) (live int64) {
 	search := newSearchKey()
 	for off := 0; off < len(sl.buf); {
-		p := unsafe.Pointer(&sl.buf[off])
+		p := bareAt(sl.buf, off)
 		enc := bareEncoding(p)
 		off = int(uintptr(unsafe.Pointer(unsafe.SliceData(enc)))-sl.base()) + len(enc)
 		h, ok := s.index.Get(search.set(bareKey(p)))
@@ -240,6 +244,5 @@ func (s *Store) evacuate(sl *slab) (live int64) {
 
 // copyBare returns a bare encoding of enc in an allocation of its own.
 func copyBare(enc []byte) unsafe.Pointer {
-	buf := appendBareEncoding(make([]byte, 0, bareLen(len(enc))), enc)
-	return unsafe.Pointer(unsafe.SliceData(buf))
+	return bareAt(appendBareEncoding(make([]byte, 0, bareLen(len(enc))), enc), 0)
 }

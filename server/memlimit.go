@@ -12,7 +12,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
-	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 )
 
 // The values of Config.MemoryLimit that are not byte counts.
@@ -30,19 +29,22 @@ const (
 )
 
 // liveEstimate is the heap an automatic limit follows: the store's (its
-// live keyspace, retained history and a load in progress), the responses
-// from the cache being built and sent, and the large response buffers kept
-// for reuse, so that a burst of large reads, bounded by
-// --max-cached-read-bytes, raises the limit rather than making the
-// collector run again and again under it; and at least the heap the last
-// collection found live (heapLive). The estimate moves as the store does,
-// ahead of any collection; the live heap holds what the store does not
-// count (client connections and their gRPC buffers, watch streams), which
-// would otherwise keep the heap above a limit that follows the store
-// alone, with the collector running without end: 2,000 idle watch
-// connections on a small store cost 0.75 s of CPU a second that way.
+// live keyspace, retained history and a load in progress) and the
+// responses from the cache being built and sent, so that a burst of large
+// reads, bounded by --max-cached-read-bytes, raises the limit rather than
+// making the collector run again and again under it (a response from the
+// cache is sent as pieces of the store's own bytes, which the store
+// counts: the bytes held for it stand for its pieces, the small key-values
+// copied beside them, and what it keeps alive of what the store drops
+// meanwhile); and at least the heap the last collection found live
+// (heapLive). The estimate moves as the store does, ahead of any
+// collection; the live heap holds what the store does not count (client
+// connections and their gRPC buffers, watch streams), which would
+// otherwise keep the heap above a limit that follows the store alone,
+// with the collector running without end: 2,000 idle watch connections on
+// a small store cost 0.75 s of CPU a second that way.
 func (s *Server) liveEstimate() int64 {
-	n := s.store.ApproxBytes() + wirecodec.RetainedBytes()
+	n := s.store.ApproxBytes()
 	if s.kv != nil {
 		n += s.kv.CachedReadBytes()
 	}

@@ -5,8 +5,9 @@
 // for one stream.
 //
 // An Encoded message is a list of pieces, byte slices sent one after the
-// other, that may be shared by any number of messages and streams. Every
-// other message goes through gRPC's own proto codec, unchanged.
+// other, that may be shared by any number of messages and streams (a watch
+// event's), or be the bytes of a store (a Range response's key-values).
+// Every other message goes through gRPC's own proto codec, unchanged.
 //
 // Invariant: the producer of an Encoded guarantees that its bytes are what
 // proto.Marshal produces for the message it stands for; clients cannot tell
@@ -17,7 +18,6 @@ import (
 	"fmt"
 	"slices"
 	"sync"
-	"sync/atomic"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/encoding"
@@ -45,7 +45,7 @@ const inlinePieces = 4
 // server without this codec still sends it correctly, only slower.
 type Encoded struct {
 	typ    protoreflect.MessageType
-	pieces mem.BufferSlice // every one a Piece
+	pieces mem.BufferSlice // every one a Piece, or a slice's (NewEncodedSlices)
 	inline [inlinePieces]mem.Buffer
 
 	decodeOnce sync.Once
@@ -65,35 +65,27 @@ func NewEncoded(typ protoreflect.MessageType, pieces []mem.Buffer) *Encoded {
 	return e
 }
 
-// NewEncodedOnce returns the message of type typ whose encoding is what
-// fill appends to an empty slice with room for size bytes. A large one's
-// bytes come from a pool that gRPC gives them back to once it has written
-// them: the message can be sent once, and is not to be read after. A new
-// large allocation per response would be zeroed by the runtime first, and
-// so would one from gRPC's own pool, which clears what it hands out: fill
-// overwrites them anyway.
-func NewEncodedOnce(typ protoreflect.MessageType, size int, fill func([]byte) ([]byte, error)) (*Encoded, error) {
-	if mem.IsBelowBufferPoolingThreshold(size) {
-		b, err := fill(make([]byte, 0, size))
-		if err != nil {
-			return nil, err
-		}
-		return NewEncoded(typ, []mem.Buffer{Piece(b)}), nil
+// NewEncodedSlices returns the message of type typ whose encoding is the
+// concatenation of b's slices, each a piece as Piece would make it but
+// without an allocation of its own: the pieces are b's elements
+// themselves. The Encoded keeps b, which must not change afterwards, nor
+// any of the bytes its slices hold. A message of many pieces costs one
+// slot (a mem.Buffer) per piece, however large they are: a Range
+// response whose pieces are the store's own bytes is not copied before
+// gRPC's transport copies it into HTTP/2 frames.
+func NewEncodedSlices(typ protoreflect.MessageType, b [][]byte) *Encoded {
+	e := &Encoded{typ: typ}
+	if len(b) <= len(e.inline) {
+		e.pieces = e.inline[:len(b)]
+	} else {
+		e.pieces = make(mem.BufferSlice, len(b))
 	}
-	pool := onceBuffers
-	buf := pool.Get(size)
-	b, err := fill((*buf)[:0])
-	switch {
-	case err != nil:
-		pool.Put(buf)
-		return nil, err
-	case cap(b) != cap(*buf):
-		// fill outgrew the buffer (size was short): b is its own.
-		pool.Put(buf)
-		return NewEncoded(typ, []mem.Buffer{Piece(b)}), nil
+	for i := range b {
+		// A pointer to a slice header is a Buffer too, with
+		// SliceBuffer's methods, and boxes without an allocation.
+		e.pieces[i] = (*mem.SliceBuffer)(&b[i])
 	}
-	*buf = b
-	return NewEncoded(typ, []mem.Buffer{mem.NewBuffer(buf, pool)}), nil
+	return e
 }
 
 // Len is the size of the encoding.
@@ -145,7 +137,8 @@ func ServerOption() grpc.ServerOption {
 }
 
 // Marshal returns an Encoded's pieces themselves: gRPC reads them and then
-// frees them, which a Piece ignores, so the message can be sent again.
+// frees them, which a piece ignores (a mem.SliceBuffer's Free does
+// nothing), so the message can be sent again.
 func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 	if e, ok := v.(*Encoded); ok {
 		return e.pieces, nil
@@ -157,105 +150,3 @@ func (c codec) Unmarshal(data mem.BufferSlice, v any) error { return c.proto.Unm
 
 // Name is the proto codec's: the bytes on the wire are protobuf.
 func (c codec) Name() string { return grpcproto.Name }
-
-// onceBuffers is the pool of NewEncodedOnce's buffers.
-var onceBuffers = &unclearedPool{}
-
-// unclearedPool is a mem.BufferPool whose buffers keep whatever bytes they
-// held: for a caller that overwrites every byte it uses. Buffers come in
-// power-of-two capacities from 4 KiB. Those under 1 MiB are each class's
-// sync.Pool's, which a collection empties; larger ones are kept across
-// collections, up to maxKeptBytes in all: a sync.Pool of them, emptied by
-// every collection, turned a stream of large reads into a stream of
-// large allocations, and with a soft memory limit each of those brought
-// the next collection sooner (about a third of the proxy's CPU for
-// 10 MiB ranges). One larger than the largest class is allocated and
-// never kept.
-type unclearedPool struct {
-	classes [unclearedClasses]sync.Pool // of *[]byte; class i holds cap 4 KiB << i
-
-	mu sync.Mutex
-	// Guarded by mu: the kept buffers of the classes from keptMinShift.
-	kept [unclearedClasses][]*[]byte
-	// keptBytes is their capacity in all; written under mu.
-	keptBytes atomic.Int64
-}
-
-const (
-	unclearedMinShift = 12 // 4 KiB
-	unclearedClasses  = 13 // up to 16 MiB
-	// keptMinShift is the least class kept across collections (1 MiB).
-	keptMinShift = 20
-	// maxKeptBytes bounds the kept buffers' capacity: a few large
-	// responses' worth, against --max-cached-read-bytes' 256 MiB in flight.
-	maxKeptBytes = 64 << 20
-)
-
-// RetainedBytes is the capacity of the large response buffers kept for
-// reuse: heap that is live though no response holds it.
-func RetainedBytes() int64 { return onceBuffers.keptBytes.Load() }
-
-// class returns the class of a buffer of n bytes, or -1 if none holds it.
-func (p *unclearedPool) class(n int) int {
-	for i := range unclearedClasses {
-		if n <= 1<<(unclearedMinShift+i) {
-			return i
-		}
-	}
-	return -1
-}
-
-// Get returns a buffer of length n, its bytes not cleared.
-func (p *unclearedPool) Get(n int) *[]byte {
-	c := p.class(n)
-	if c < 0 {
-		b := make([]byte, n)
-		return &b
-	}
-	if unclearedMinShift+c >= keptMinShift {
-		if buf := p.takeKept(c); buf != nil {
-			*buf = (*buf)[:n]
-			return buf
-		}
-	} else if buf, ok := p.classes[c].Get().(*[]byte); ok {
-		*buf = (*buf)[:n]
-		return buf
-	}
-	b := make([]byte, n, 1<<(unclearedMinShift+c))
-	return &b
-}
-
-func (p *unclearedPool) takeKept(c int) *[]byte {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	k := p.kept[c]
-	if len(k) == 0 {
-		return nil
-	}
-	buf := k[len(k)-1]
-	k[len(k)-1] = nil
-	p.kept[c] = k[:len(k)-1]
-	p.keptBytes.Add(-int64(cap(*buf)))
-	return buf
-}
-
-// Put gives back a buffer that Get returned.
-func (p *unclearedPool) Put(buf *[]byte) {
-	c := p.class(cap(*buf))
-	if c < 0 || cap(*buf) != 1<<(unclearedMinShift+c) {
-		return
-	}
-	if unclearedMinShift+c < keptMinShift {
-		p.classes[c].Put(buf)
-		return
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.keptBytes.Load()+int64(cap(*buf)) > maxKeptBytes {
-		return // the garbage collector's
-	}
-	p.kept[c] = append(p.kept[c], buf)
-	p.keptBytes.Add(int64(cap(*buf)))
-}
-
-var _ mem.BufferPool = (*unclearedPool)(nil)

@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
 	"go.uber.org/goleak"
@@ -149,11 +150,11 @@ func TestEncodedIsItsMessage(t *testing.T) {
 	}
 }
 
-// watchService sends each request's client one pre-encoded response and
+// watchService sends each request's client its pre-encoded responses and
 // one plain response.
 type watchService struct {
 	pb.UnimplementedWatchServer
-	encoded *Encoded
+	encoded []*Encoded
 	plain   *pb.WatchResponse
 }
 
@@ -165,8 +166,10 @@ func (s *watchService) Watch(gs pb.Watch_WatchServer) error {
 			}
 			return err
 		}
-		if err := gs.SendMsg(s.encoded); err != nil {
-			return err
+		for _, e := range s.encoded {
+			if err := gs.SendMsg(e); err != nil {
+				return err
+			}
 		}
 		if err := gs.Send(s.plain); err != nil {
 			return err
@@ -211,11 +214,13 @@ func (c countingStream) SendMsg(m any) error {
 
 // TestServerSendsEncodedThroughInterceptors: a gRPC server with the codec
 // and interceptors like the proxy's (message counting, payload logging)
-// sends a pre-encoded response as the client expects it, counts it, and
-// logs it as the message it stands for.
+// sends a pre-encoded response, of pieces or of slices, as the client
+// expects it, counts it, and logs it as the message it stands for.
 func TestServerSendsEncodedThroughInterceptors(t *testing.T) {
 	encodedMsg := sampleResponse()
-	_, e := encodedInPieces(t, encodedMsg)
+	b, e := encodedInPieces(t, encodedMsg)
+	half := len(b) / 2
+	fromSlices := NewEncodedSlices(watchResponseType, [][]byte{b[:half], b[half:]})
 	plain := &pb.WatchResponse{Header: &pb.ResponseHeader{Revision: 43}, WatchId: -1}
 
 	var sent atomic.Int64
@@ -227,7 +232,7 @@ func TestServerSendsEncodedThroughInterceptors(t *testing.T) {
 		grpc.ChainStreamInterceptor(count, interceptors.StreamServerInterceptor(interceptors.CommonReportableFunc(func(ctx context.Context, c interceptors.CallMeta) (interceptors.Reporter, context.Context) {
 			return log, ctx
 		}))))
-	pb.RegisterWatchServer(gs, &watchService{encoded: e, plain: plain})
+	pb.RegisterWatchServer(gs, &watchService{encoded: []*Encoded{e, fromSlices}, plain: plain})
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -257,7 +262,7 @@ func TestServerSendsEncodedThroughInterceptors(t *testing.T) {
 		if err := ws.Send(&pb.WatchRequest{}); err != nil {
 			t.Fatal(err)
 		}
-		for _, want := range []*pb.WatchResponse{encodedMsg, plain} {
+		for _, want := range []*pb.WatchResponse{encodedMsg, encodedMsg, plain} {
 			got, err := ws.Recv()
 			if err != nil {
 				t.Fatal(err)
@@ -274,62 +279,54 @@ func TestServerSendsEncodedThroughInterceptors(t *testing.T) {
 		t.Fatalf("the stream ended with %v, want EOF", err)
 	}
 
-	if got := sent.Load(); got != 2*rounds {
-		t.Fatalf("counted %d messages sent, want %d", got, 2*rounds)
+	if got := sent.Load(); got != 3*rounds {
+		t.Fatalf("counted %d messages sent, want %d", got, 3*rounds)
 	}
 	wantLog, _ := protojson.Marshal(encodedMsg)
 	log.mu.Lock()
 	defer log.mu.Unlock()
-	if len(log.sent) != 2*rounds || !bytes.Equal(log.sent[0], wantLog) {
-		t.Fatalf("logged %d payloads, the first %s; want %d, the first %s", len(log.sent), log.sent[0], 2*rounds, wantLog)
+	if len(log.sent) != 3*rounds || !bytes.Equal(log.sent[0], wantLog) || !bytes.Equal(log.sent[1], wantLog) {
+		t.Fatalf("logged %d payloads, the first %s; want %d, the first two %s", len(log.sent), log.sent[0], 3*rounds, wantLog)
 	}
 }
 
-// TestEncodedOnce: a message built once, small or from the pool, encodes
-// as fill made it; a fill that errs, or outgrows its room, leaves the pool
-// intact.
-func TestEncodedOnce(t *testing.T) {
-	typ := (&mvccpb.KeyValue{}).ProtoReflect().Type()
-	for _, n := range []int{0, 10, 1 << 10, 5000, 1 << 20, 20 << 20} {
-		kv := &mvccpb.KeyValue{Key: []byte("k"), Value: bytes.Repeat([]byte{'v'}, n)}
-		want, err := proto.Marshal(kv)
-		if err != nil {
-			t.Fatal(err)
+// TestEncodedSlices: a message made of slices encodes as their
+// concatenation, any number of times, each piece a slice itself (not a
+// copy), and costs two allocations however many pieces it has: the
+// Encoded and its slots.
+func TestEncodedSlices(t *testing.T) {
+	m := sampleResponse()
+	want, err := proto.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []int{1, 3, inlinePieces, inlinePieces + 1, len(want)} {
+		var b [][]byte
+		for i := range n {
+			b = append(b, want[i*len(want)/n:(i+1)*len(want)/n])
 		}
-		for round := range 3 { // reused buffers hold the last round's bytes
-			e, err := NewEncodedOnce(typ, len(want), func(b []byte) ([]byte, error) {
-				return proto.MarshalOptions{}.MarshalAppend(b, kv)
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if !bytes.Equal(e.Bytes(), want) || !proto.Equal(e, kv) {
-				t.Fatalf("value of %d bytes, round %d: encoded %d bytes, want %d", n, round, e.Len(), len(want))
-			}
+		e := NewEncodedSlices(watchResponseType, b)
+		if e.Len() != len(want) || !bytes.Equal(e.Bytes(), want) || !proto.Equal(e, m) {
+			t.Fatalf("%d slices: encoded %x, want %x", n, e.Bytes(), want)
+		}
+		for range 3 {
 			data, err := Codec().Marshal(e)
 			if err != nil || !bytes.Equal(data.Materialize(), want) {
-				t.Fatalf("codec: %v", err)
+				t.Fatalf("%d slices: codec: %v", n, err)
+			}
+			for i, piece := range data {
+				if unsafe.SliceData(piece.ReadOnlyData()) != unsafe.SliceData(b[i]) {
+					t.Fatalf("%d slices: piece %d is a copy", n, i)
+				}
 			}
 			data.Free() // what gRPC does once it has written it
 		}
 	}
-	boom := errors.New("boom")
-	if _, err := NewEncodedOnce(typ, 8192, func(b []byte) ([]byte, error) { return nil, boom }); !errors.Is(err, boom) {
-		t.Fatalf("fill's error: %v", err)
+	b := make([][]byte, 100)
+	for i := range b {
+		b[i] = want
 	}
-	e, err := NewEncodedOnce(typ, 8192, func(b []byte) ([]byte, error) { return append(b, make([]byte, 9000)...), nil })
-	if err != nil || e.Len() != 9000 {
-		t.Fatalf("outgrown: %v, %d bytes", err, e.Len())
-	}
-}
-
-func TestUnclearedPoolClasses(t *testing.T) {
-	p := &unclearedPool{}
-	for _, n := range []int{1, 4096, 4097, 1 << 20, 16 << 20, 16<<20 + 1} {
-		buf := p.Get(n)
-		if len(*buf) != n {
-			t.Fatalf("Get(%d): len %d", n, len(*buf))
-		}
-		p.Put(buf)
+	if allocs := testing.AllocsPerRun(10, func() { NewEncodedSlices(watchResponseType, b) }); allocs > 2 {
+		t.Fatalf("%v allocations for 100 slices; want 2", allocs)
 	}
 }
