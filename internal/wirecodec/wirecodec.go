@@ -6,8 +6,10 @@
 //
 // An Encoded message is a list of pieces, byte slices sent one after the
 // other, that may be shared by any number of messages and streams (a watch
-// event's), or be the bytes of a store (a Range response's key-values).
-// Every other message goes through gRPC's own proto codec, unchanged.
+// event's), be the bytes of a store (a Range response's key-values), or be
+// a pooled buffer's, which gRPC gives back once it has written the message
+// (NewEncodedOnce). Every other message goes through gRPC's own proto
+// codec, unchanged.
 //
 // Invariant: the producer of an Encoded guarantees that its bytes are what
 // proto.Marshal produces for the message it stands for; clients cannot tell
