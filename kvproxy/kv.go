@@ -225,7 +225,11 @@ func (s *Server) Range(ctx context.Context, r *pb.RangeRequest) (*pb.RangeRespon
 // the store comes already encoded, a wirecodec.Encoded whose pieces are
 // its header and the store's own bytes of its key-values (Result.
 // AppendPieces), byte for byte what proto.Marshal gives for the response
-// Range would return.
+// Range would return. Its own bytes (the header, small key-values) are in
+// a pooled buffer that gRPC gives back once it has written them
+// (wirecodec.NewEncodedOnce): a unary interceptor reads the response
+// before gRPC writes it (the payload logger does), and nothing may read it
+// after (no stats handler or binary log that keeps sent messages).
 func (s *Server) rangeMessage(ctx context.Context, r *pb.RangeRequest) (proto.Message, error) {
 	resp, enc, err := s.serveRange(ctx, r, true)
 	switch {
@@ -277,12 +281,13 @@ func (s *Server) serveRange(ctx context.Context, r *pb.RangeRequest, encode bool
 		return nil, nil, err
 	}
 	if encode {
-		pieces, err := result.AppendPieces(nil)
+		enc, err = wirecodec.NewEncodedOnce(rangeResponseType, result.OwnSize(), func(own []byte) ([][]byte, error) {
+			return result.AppendPieces(nil, own)
+		})
 		if err != nil {
 			s.releaseCached(held)
 			return nil, nil, status.Errorf(codes.Internal, "etcd-snapcache: encoding a range response: %v", err)
 		}
-		enc = wirecodec.NewEncodedSlices(rangeResponseType, pieces)
 	} else {
 		resp = result.Response()
 	}

@@ -143,11 +143,13 @@ func (s *Server) rangeStreamFromView(rt route, req *pb.RangeRequest, opts revtre
 
 // sendChunk sends a chunk of the range: its range_response field's tag
 // and length, then the chunk in pieces of the store's bytes (see
-// rangeMessage).
+// rangeMessage). Its own bytes are not pooled (wirecodec.NewEncodedOnce):
+// a stream's interceptors see a message after SendMsg, when gRPC may have
+// written it already (the payload logger decodes it then).
 func (s *Server) sendChunk(stream grpc.ServerStream, chunk *revtree.Result) error {
 	field := protowire.AppendTag(nil, rangeStreamResponseField, protowire.BytesType)
 	field = protowire.AppendVarint(field, uint64(chunk.Size()))
-	pieces, err := chunk.AppendPieces([][]byte{field})
+	pieces, err := chunk.AppendPieces([][]byte{field}, nil)
 	if err != nil {
 		return status.Errorf(codes.Internal, "etcd-snapcache: encoding a range stream response: %v", err)
 	}

@@ -185,7 +185,7 @@ func benchRangePast(b *testing.B, name string, degree, valueSize, updates int, a
 						b.Fatal(err)
 					}
 					x := v.Result(req, revtree.RangeOptions{})
-					if _, err := x.AppendPieces(nil); err != nil || x.Len() != tc.want || x.Count != 10_000 {
+					if _, err := x.AppendPieces(nil, nil); err != nil || x.Len() != tc.want || x.Count != 10_000 {
 						b.Fatalf("Result: %d kvs, count %d, %v", x.Len(), x.Count, err)
 					}
 					continue

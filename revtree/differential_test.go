@@ -654,7 +654,7 @@ func (h *harness) checkEncoding(req *pb.RangeRequest, got *revtree.Result, want 
 	if n := got.Size(); n != len(wantBytes) {
 		h.t.Fatalf("request %v: Result.Size %d, encoded %d bytes", req, n, len(wantBytes))
 	}
-	pieces, err := got.AppendPieces(nil)
+	pieces, err := got.AppendPieces(nil, nil)
 	if err != nil {
 		h.t.Fatal(err)
 	}

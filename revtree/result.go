@@ -142,7 +142,7 @@ func (x *Result) releaseFields() {
 // AppendTo appends the encoding of the response, the bytes proto.Marshal
 // gives: its pieces (AppendPieces), one after the other.
 func (x *Result) AppendTo(b []byte) ([]byte, error) {
-	pieces, err := x.AppendPieces(nil)
+	pieces, err := x.AppendPieces(nil, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -159,25 +159,33 @@ func (x *Result) AppendTo(b []byte) ([]byte, error) {
 // after the other in a slab are one piece: a read copies none of them. The
 // rest (the header, more and count, a key-value without a stored encoding
 // or stripped to its key, and fields under minPieceBytes, cheaper to copy
-// than to send as pieces of their own) is copied into one buffer of the
-// result's own. No piece is ever written again, and each keeps what it
-// points into alive: the pieces may be sent after the view is gone, and
-// any number of times.
+// than to send as pieces of their own) is the result's own bytes, appended
+// to own (nil: a new buffer): the pieces of them are slices of own's
+// array if it has room for OwnSize bytes more. No piece of the store's is
+// ever written again, and each keeps what it points into alive: they may
+// be sent after the view is gone, and any number of times.
 //
-// The pieces and the buffer are counted first (by Size, if the caller
+// The pieces and the own bytes are counted first (by Size, if the caller
 // sized the result), so that each takes one allocation of its size rather
 // than the garbage of growing.
-func (x *Result) AppendPieces(pieces [][]byte) ([][]byte, error) {
+func (x *Result) AppendPieces(pieces [][]byte, own []byte) ([][]byte, error) {
 	if x.fields == nil {
 		x.Size()
 	}
 	defer x.releaseFields()
-	w := pieceWriter{out: slices.Grow(pieces, x.pieces), own: make([]byte, 0, x.ownBytes)}
+	if own == nil {
+		own = make([]byte, 0, x.ownBytes)
+	}
+	w := pieceWriter{out: slices.Grow(pieces, x.pieces), own: own, flushed: len(own)}
 	if err := x.writePieces(&w); err != nil {
 		return nil, err
 	}
 	return w.out, nil
 }
+
+// OwnSize returns the bytes of the response's own in its pieces, as the
+// last Size counted them (AppendPieces).
+func (x *Result) OwnSize() int { return x.ownBytes }
 
 // minPieceBytes is the least size of a field that is a piece of its own:
 // a piece costs its slice and slot (40 bytes) and, in gRPC's transport,

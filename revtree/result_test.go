@@ -80,7 +80,7 @@ func testResultPieces(t *testing.T, r *rand.Rand, size func() int) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		pieces, err := x.AppendPieces(nil)
+		pieces, err := x.AppendPieces(nil, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -133,7 +133,7 @@ func testResultPieces(t *testing.T, r *rand.Rand, size func() int) {
 		if want, err = proto.Marshal(x.Response()); err != nil {
 			t.Fatal(err)
 		}
-		if pieces, err = x.AppendPieces(nil); err != nil || !bytes.Equal(bytes.Join(pieces, nil), want) {
+		if pieces, err = x.AppendPieces(nil, nil); err != nil || !bytes.Equal(bytes.Join(pieces, nil), want) {
 			t.Fatalf("%s: changed after Size, the pieces are not proto.Marshal's bytes (%v)", name, err)
 		}
 	}

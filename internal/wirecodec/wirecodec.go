@@ -6,8 +6,10 @@
 //
 // An Encoded message is a list of pieces, byte slices sent one after the
 // other, that may be shared by any number of messages and streams (a watch
-// event's), or be the bytes of a store (a Range response's key-values).
-// Every other message goes through gRPC's own proto codec, unchanged.
+// event's), be the bytes of a store (a Range response's key-values), or be
+// a pooled buffer's, which gRPC gives back once it has written the message
+// (NewEncodedOnce). Every other message goes through gRPC's own proto
+// codec, unchanged.
 //
 // Invariant: the producer of an Encoded guarantees that its bytes are what
 // proto.Marshal produces for the message it stands for; clients cannot tell
@@ -18,6 +20,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"unsafe"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/encoding"
@@ -88,6 +91,45 @@ func NewEncodedSlices(typ protoreflect.MessageType, b [][]byte) *Encoded {
 	return e
 }
 
+// NewEncodedOnce returns the message of type typ whose encoding is the
+// concatenation of the slices fill returns: slices of memory that never
+// changes, as NewEncodedSlices takes them, and slices of own, a buffer
+// with room for ownLen bytes that fill appends the message's own bytes
+// to. A large own comes from a pool, its bytes not cleared (fill
+// overwrites them), and goes back to it once gRPC has written the message
+// and freed its pieces: the message can be sent once, and is not to be
+// read after. A slice fill returns of bytes appended past own's room is a
+// slice of memory of its own, which is not pooled.
+func NewEncodedOnce(typ protoreflect.MessageType, ownLen int, fill func(own []byte) ([][]byte, error)) (*Encoded, error) {
+	if mem.IsBelowBufferPoolingThreshold(ownLen) {
+		b, err := fill(make([]byte, 0, ownLen))
+		if err != nil {
+			return nil, err
+		}
+		return NewEncodedSlices(typ, b), nil
+	}
+	pool := ownBuffers
+	buf := pool.Get(ownLen)
+	*buf = (*buf)[:cap(*buf)]
+	b, err := fill((*buf)[:0])
+	if err != nil {
+		pool.Put(buf)
+		return nil, err
+	}
+	// The slices of own are views of one Buffer, which gives own back to
+	// the pool once gRPC has freed them all.
+	root := mem.NewBuffer(buf, pool)
+	start := uintptr(unsafe.Pointer(unsafe.SliceData(*buf)))
+	e := NewEncodedSlices(typ, b)
+	for i, piece := range b {
+		if off := uintptr(unsafe.Pointer(unsafe.SliceData(piece))) - start; len(piece) > 0 && off < uintptr(len(*buf)) {
+			e.pieces[i] = root.Slice(int(off), int(off)+len(piece))
+		}
+	}
+	root.Free()
+	return e, nil
+}
+
 // Len is the size of the encoding.
 func (e *Encoded) Len() int { return e.pieces.Len() }
 
@@ -150,3 +192,57 @@ func (c codec) Unmarshal(data mem.BufferSlice, v any) error { return c.proto.Unm
 
 // Name is the proto codec's: the bytes on the wire are protobuf.
 func (c codec) Name() string { return grpcproto.Name }
+
+// ownBuffers is the pool of NewEncodedOnce's buffers (an unclearedPool;
+// a test's wrapper of one).
+var ownBuffers mem.BufferPool = &unclearedPool{}
+
+// unclearedPool is a mem.BufferPool whose buffers keep whatever bytes they
+// held: for a caller that overwrites every byte it uses. Buffers come in
+// power-of-two capacities from 4 KiB to 16 MiB, each class a sync.Pool;
+// a larger one is allocated and never kept. (A read's own bytes are its
+// small key-values; the large ones are pieces of the store's, which a
+// read does not allocate, so collections, which empty the pools, are
+// rare.)
+type unclearedPool struct {
+	classes [unclearedClasses]sync.Pool // of *[]byte; class i holds cap 4 KiB << i
+}
+
+const (
+	unclearedMinShift = 12 // 4 KiB
+	unclearedClasses  = 13 // up to 16 MiB
+)
+
+// class returns the class of a buffer of n bytes, or -1 if none holds it.
+func (p *unclearedPool) class(n int) int {
+	for i := range unclearedClasses {
+		if n <= 1<<(unclearedMinShift+i) {
+			return i
+		}
+	}
+	return -1
+}
+
+// Get returns a buffer of length n, its bytes not cleared.
+func (p *unclearedPool) Get(n int) *[]byte {
+	c := p.class(n)
+	if c < 0 {
+		b := make([]byte, n)
+		return &b
+	}
+	if buf, ok := p.classes[c].Get().(*[]byte); ok {
+		*buf = (*buf)[:n]
+		return buf
+	}
+	b := make([]byte, n, 1<<(unclearedMinShift+c))
+	return &b
+}
+
+// Put gives back a buffer that Get returned.
+func (p *unclearedPool) Put(buf *[]byte) {
+	if c := p.class(cap(*buf)); c >= 0 && cap(*buf) == 1<<(unclearedMinShift+c) {
+		p.classes[c].Put(buf)
+	}
+}
+
+var _ mem.BufferPool = (*unclearedPool)(nil)

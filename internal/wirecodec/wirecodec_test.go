@@ -214,8 +214,10 @@ func (c countingStream) SendMsg(m any) error {
 
 // TestServerSendsEncodedThroughInterceptors: a gRPC server with the codec
 // and interceptors like the proxy's (message counting, payload logging)
-// sends a pre-encoded response, of pieces or of slices, as the client
-// expects it, counts it, and logs it as the message it stands for.
+// sends a pre-encoded response, of pieces or of slices, or sent once with
+// its own bytes pooled, as the client expects it, counts it, and logs it
+// as the message it stands for; the pool has its buffers back once the
+// responses are written.
 func TestServerSendsEncodedThroughInterceptors(t *testing.T) {
 	encodedMsg := sampleResponse()
 	b, e := encodedInPieces(t, encodedMsg)
@@ -328,5 +330,180 @@ func TestEncodedSlices(t *testing.T) {
 	}
 	if allocs := testing.AllocsPerRun(10, func() { NewEncodedSlices(watchResponseType, b) }); allocs > 2 {
 		t.Fatalf("%v allocations for 100 slices; want 2", allocs)
+	}
+}
+
+// recordingPool is a pool whose buffers the test follows.
+type recordingPool struct {
+	mem.BufferPool
+	mu  sync.Mutex
+	got map[*[]byte]bool // handed out and not given back
+	put int              // given back
+}
+
+func (p *recordingPool) Get(n int) *[]byte {
+	buf := p.BufferPool.Get(n)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.got[buf] = true
+	return buf
+}
+
+func (p *recordingPool) Put(buf *[]byte) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.got[buf] {
+		panic("a buffer the pool did not hand out, or given back twice")
+	}
+	delete(p.got, buf)
+	p.put++
+	p.BufferPool.Put(buf)
+}
+
+// outstanding is how many buffers are handed out and not given back.
+func (p *recordingPool) outstanding() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.got)
+}
+
+// recordOwnBuffers makes ownBuffers a recordingPool until the test ends.
+func recordOwnBuffers(t *testing.T) *recordingPool {
+	p := &recordingPool{BufferPool: ownBuffers, got: map[*[]byte]bool{}}
+	old := ownBuffers
+	ownBuffers = p
+	t.Cleanup(func() { ownBuffers = old })
+	return p
+}
+
+// onceMessage is NewEncodedOnce of m's encoding: its first and last
+// thirds copied into own, the middle one a slice of memory of its own.
+func onceMessage(t *testing.T, m proto.Message) ([]byte, *Encoded) {
+	t.Helper()
+	want, err := proto.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	third := len(want) / 3
+	e, err := NewEncodedOnce(m.ProtoReflect().Type(), len(want)-third, func(own []byte) ([][]byte, error) {
+		own = append(own, want[:third]...)
+		head := own[:third:third]
+		own = append(own, want[2*third:]...)
+		return [][]byte{head, want[third : 2*third], own[third:]}, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return want, e
+}
+
+// bigResponse is a watch response of more than the pooling threshold.
+func bigResponse() *pb.WatchResponse {
+	r := sampleResponse()
+	r.Events[0].Kv.Value = bytes.Repeat([]byte("v"), 10_000)
+	return r
+}
+
+// TestEncodedOnce: a message of own bytes and other slices encodes as
+// their concatenation; own, from the pool, goes back to it once gRPC has
+// freed the message's pieces, not before; a fill that fails gives it back
+// at once; a small one is not pooled.
+func TestEncodedOnce(t *testing.T) {
+	pool := recordOwnBuffers(t)
+	want, e := onceMessage(t, bigResponse())
+	if e.Len() != len(want) || !bytes.Equal(e.Bytes(), want) || !proto.Equal(e, bigResponse()) {
+		t.Fatalf("encoded %d bytes, want %d", e.Len(), len(want))
+	}
+	data, err := Codec().Marshal(e)
+	if err != nil || !bytes.Equal(data.Materialize(), want) {
+		t.Fatalf("codec: %v", err)
+	}
+	if pool.outstanding() != 1 {
+		t.Fatalf("%d own buffers out before the message was freed; want 1", pool.outstanding())
+	}
+	data.Ref() // as the transport does while it writes
+	data.Free()
+	if pool.outstanding() != 1 {
+		t.Fatal("own went back to the pool while the transport still held the message")
+	}
+	data.Free()
+	if pool.outstanding() != 0 || pool.put != 1 {
+		t.Fatalf("%d own buffers out, %d given back, once the message was freed; want 0 and 1", pool.outstanding(), pool.put)
+	}
+
+	boom := errors.New("boom")
+	if _, err := NewEncodedOnce(watchResponseType, 5000, func([]byte) ([][]byte, error) { return nil, boom }); !errors.Is(err, boom) {
+		t.Fatalf("fill's error: %v", err)
+	}
+	if pool.outstanding() != 0 || pool.put != 2 {
+		t.Fatalf("a failed fill left %d own buffers out", pool.outstanding())
+	}
+	want, e = onceMessage(t, sampleResponse())
+	if !bytes.Equal(e.Bytes(), want) || pool.outstanding() != 0 {
+		t.Fatalf("small: encoded %x, %d own buffers out", e.Bytes(), pool.outstanding())
+	}
+}
+
+// TestServerSendsEncodedOnceUnary: a unary call's response sent once with
+// its own bytes pooled reaches the client whole, is logged by a unary
+// interceptor (before gRPC writes it) as the message it stands for, and
+// gives its buffer back to the pool once written.
+func TestServerSendsEncodedOnceUnary(t *testing.T) {
+	pool := recordOwnBuffers(t)
+	msg := &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: 9}, Kvs: []*mvccpb.KeyValue{{Key: []byte("k"), Value: bytes.Repeat([]byte("v"), 5000)}}, Count: 1}
+	log := &payloadLog{}
+	gs := grpc.NewServer(ServerOption(), grpc.ChainUnaryInterceptor(interceptors.UnaryServerInterceptor(interceptors.CommonReportableFunc(func(ctx context.Context, c interceptors.CallMeta) (interceptors.Reporter, context.Context) {
+		return log, ctx
+	}))))
+	desc := grpc.ServiceDesc{
+		ServiceName: "etcdserverpb.KV",
+		HandlerType: (*any)(nil),
+		Methods: []grpc.MethodDesc{{MethodName: "Range", Handler: func(_ any, ctx context.Context, dec func(any) error, interceptor grpc.UnaryServerInterceptor) (any, error) {
+			if err := dec(new(pb.RangeRequest)); err != nil {
+				return nil, err
+			}
+			handler := func(context.Context, any) (any, error) {
+				_, e := onceMessage(t, msg)
+				return e, nil
+			}
+			return interceptor(ctx, nil, &grpc.UnaryServerInfo{FullMethod: pb.KV_Range_FullMethodName}, handler)
+		}}},
+	}
+	gs.RegisterService(&desc, struct{}{})
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- gs.Serve(lis) }()
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	const calls = 3
+	for range calls {
+		got, err := pb.NewKVClient(conn).Range(ctx, &pb.RangeRequest{Key: []byte("k")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !proto.Equal(got, msg) {
+			t.Fatalf("received %v, want %v", got, msg)
+		}
+	}
+	conn.Close()
+	gs.Stop()
+	if err := <-served; err != nil {
+		t.Error(err)
+	}
+	wantLog, _ := protojson.Marshal(msg)
+	log.mu.Lock()
+	defer log.mu.Unlock()
+	if len(log.sent) != calls || !bytes.Equal(log.sent[0], wantLog) {
+		t.Fatalf("logged %d payloads, the first %s; want %d, %s", len(log.sent), log.sent[0], calls, wantLog)
+	}
+	if pool.outstanding() != 0 || pool.put != calls {
+		t.Fatalf("%d own buffers out, %d given back, after %d calls", pool.outstanding(), pool.put, calls)
 	}
 }
