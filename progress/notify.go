@@ -3,11 +3,11 @@ package progress
 import "sync"
 
 // notifier hands out a channel that is closed the next time something
-// changes, and replaced by a fresh one: a broadcast that any number of
-// waiters can select on alongside their own contexts.
+// changes, after which waiters get a fresh one: a broadcast that any
+// number of waiters can select on alongside their own contexts.
 type notifier struct {
 	mu sync.Mutex
-	ch chan struct{} // guarded by mu; closed and replaced by notify
+	ch chan struct{} // guarded by mu; made by wait, closed and cleared by notify
 }
 
 // wait returns the channel the next notify closes.
@@ -20,12 +20,13 @@ func (n *notifier) wait() <-chan struct{} {
 	return n.ch
 }
 
-// notify wakes every waiter.
+// notify wakes every waiter. The next channel is made by the next wait:
+// the feed notifies at every revision, most often with no one waiting.
 func (n *notifier) notify() {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if n.ch != nil {
 		close(n.ch)
+		n.ch = nil
 	}
-	n.ch = make(chan struct{})
 }
