@@ -349,7 +349,7 @@ func (s *Store) RestoreLoad(base int64, loads []*Load, batches []Batch, rev, com
 	s.index = index
 	last := base
 	for _, b := range batches {
-		err := s.checkEvents(b.Rev, b.Events)
+		first, err := s.checkEvents(b.Rev, b.Events)
 		if err == nil && b.Rev <= last {
 			err = fmt.Errorf("%w: revision %d follows %d", ErrInconsistent, b.Rev, last)
 		}
@@ -357,7 +357,7 @@ func (s *Store) RestoreLoad(base int64, loads []*Load, batches []Batch, rev, com
 			s.index, s.indexChanged = old, oldChanged
 			return err
 		}
-		snap, d := s.indexEvents(b.Rev, b.Events, true)
+		snap, d := s.indexEvents(b.Rev, b.Events, first, true)
 		snaps.ReplaceOrInsert(snap)
 		historyBytes += snap.bytes
 		total.live += d.live
@@ -432,10 +432,11 @@ func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error
 	if cur := s.Rev(); !s.Loaded() || rev <= cur {
 		return nil, fmt.Errorf("%w: revision %d applied at store revision %d", ErrInconsistent, rev, cur)
 	}
-	if err := s.checkEvents(rev, events); err != nil {
+	first, err := s.checkEvents(rev, events)
+	if err != nil {
 		return nil, err
 	}
-	snap, d := s.indexEvents(rev, events, false)
+	snap, d := s.indexEvents(rev, events, first, false)
 
 	s.mu.Lock()
 	s.publishLocked()
@@ -473,17 +474,27 @@ func (s *Store) addLocked(snap *snapshot, d indexDelta) {
 
 // indexEvents adds the events of revision rev, checked by checkEvents, to
 // the writer's index, and returns the revision's snapshot and what it
-// changed. It fills in each event's PrevKv and, unless stored, replaces
-// each put's Kv with the store's copy of it. writeMu is held.
-func (s *Store) indexEvents(rev int64, events []*mvccpb.Event, stored bool) (*snapshot, indexDelta) {
+// changed. first is the history checkEvents found for the first event's
+// key (nil if none): a revision is most often one event, and its key is
+// not looked up twice. It fills in each event's PrevKv and, unless
+// stored, replaces each put's Kv with the store's copy of it. writeMu is
+// held.
+func (s *Store) indexEvents(rev int64, events []*mvccpb.Event, first *keyHistory, stored bool) (*snapshot, indexDelta) {
 	// What this revision adds to history (memory.go): its snapshot, its
 	// events and the KeyValues it displaces; and to the index, its
 	// versions and new keys.
 	snap := &snapshot{rev: rev, events: events, bytes: snapshotOverhead}
 	var d indexDelta
-	search := newSearchKey()
-	for _, ev := range events {
-		h, _ := s.index.Get(search.set(ev.Kv.Key))
+	var search *searchKey
+	for i, ev := range events {
+		h := first
+		if i > 0 {
+			// An earlier event of the revision may have inserted it.
+			if search == nil {
+				search = newSearchKey()
+			}
+			h, _ = s.index.Get(search.set(ev.Kv.Key))
+		}
 		var prev version
 		if h != nil {
 			prev = h.latest()
@@ -534,9 +545,11 @@ func (s *Store) indexEvents(rev int64, events []*mvccpb.Event, stored bool) (*sn
 // checkEvents verifies, without changing anything, that events can follow
 // the latest tree: revisions match, versions continue and deletes hit live
 // keys. A Txn may touch a key more than once, so it tracks its own writes.
-func (s *Store) checkEvents(rev int64, events []*mvccpb.Event) error {
+// It returns the index's history of the first event's key, nil if none,
+// for indexEvents.
+func (s *Store) checkEvents(rev int64, events []*mvccpb.Event) (first *keyHistory, err error) {
 	if len(events) == 0 {
-		return fmt.Errorf("%w: revision %d has no events", ErrInconsistent, rev)
+		return nil, fmt.Errorf("%w: revision %d has no events", ErrInconsistent, rev)
 	}
 	// The state of each key after this Txn's earlier ops.
 	type state struct {
@@ -545,13 +558,17 @@ func (s *Store) checkEvents(rev int64, events []*mvccpb.Event) error {
 	}
 	var touched map[string]state
 	search := newSearchKey()
-	for _, ev := range events {
+	for i, ev := range events {
 		if ev.Kv == nil || ev.Kv.ModRevision != rev {
-			return fmt.Errorf("%w: event of revision %d applied as %d", ErrInconsistent, modRev(ev), rev)
+			return nil, fmt.Errorf("%w: event of revision %d applied as %d", ErrInconsistent, modRev(ev), rev)
 		}
 		prev, seen := touched[string(ev.Kv.Key)]
 		if !seen {
-			if h, ok := s.index.Get(search.set(ev.Kv.Key)); ok {
+			h, ok := s.index.Get(search.set(ev.Kv.Key))
+			if i == 0 {
+				first = h
+			}
+			if ok {
 				if l := h.latest(); l.isPut() {
 					prev = state{live: true, version: l.kvVersion()}
 				}
@@ -564,14 +581,14 @@ func (s *Store) checkEvents(rev int64, events []*mvccpb.Event) error {
 				want = prev.version + 1
 			}
 			if ev.Kv.Version != want {
-				return fmt.Errorf("%w: put %q at %d has version %d, want %d", ErrInconsistent, ev.Kv.Key, rev, ev.Kv.Version, want)
+				return nil, fmt.Errorf("%w: put %q at %d has version %d, want %d", ErrInconsistent, ev.Kv.Key, rev, ev.Kv.Version, want)
 			}
 		case mvccpb.DELETE:
 			if !prev.live {
-				return fmt.Errorf("%w: delete of absent key %q at %d", ErrInconsistent, ev.Kv.Key, rev)
+				return nil, fmt.Errorf("%w: delete of absent key %q at %d", ErrInconsistent, ev.Kv.Key, rev)
 			}
 		default:
-			return fmt.Errorf("%w: unknown event type %d at %d", ErrInconsistent, ev.Type, rev)
+			return nil, fmt.Errorf("%w: unknown event type %d at %d", ErrInconsistent, ev.Type, rev)
 		}
 		if len(events) > 1 {
 			if touched == nil {
@@ -580,7 +597,7 @@ func (s *Store) checkEvents(rev int64, events []*mvccpb.Event) error {
 			touched[string(ev.Kv.Key)] = state{live: ev.Type == mvccpb.PUT, version: ev.Kv.Version}
 		}
 	}
-	return nil
+	return first, nil
 }
 
 func modRev(ev *mvccpb.Event) int64 {

@@ -255,6 +255,37 @@ func TestTrackerFollowsTheEstimate(t *testing.T) {
 	}
 }
 
+// TestTrackerQuietFollows: once the estimate stood still long enough for
+// the Tracker to read it less often, a change is still followed.
+func TestTrackerQuietFollows(t *testing.T) {
+	f := &liveFeed{live: 100 << 20, set: make(chan int64, 1)}
+	reads := make(chan struct{}, 1)
+	live := func() int64 {
+		select {
+		case reads <- struct{}{}:
+		default:
+		}
+		return f.Live()
+	}
+	tr := &Tracker{Policy: Policy{FollowLive: true}, Live: live, Set: f.Set, Interval: time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan int64)
+	go func() {
+		tr.Start()
+		done <- tr.Run(ctx)
+	}()
+	<-f.set
+	for range 2 * quietFactor {
+		<-reads // the same estimate each time: quiet
+	}
+	f.move(1 << 30)
+	if got, want := <-f.set, tr.Policy.Limit(1<<30); got != want {
+		t.Fatalf("limit %d after a quiet spell and growth, want %d", got, want)
+	}
+	cancel()
+	<-done
+}
+
 func TestTrackerStatic(t *testing.T) {
 	f := &liveFeed{live: 100 << 20, set: make(chan int64, 1)}
 	tr := &Tracker{Policy: Policy{Fixed: 3 << 30}, Live: f.Live, Set: f.Set, Interval: time.Millisecond}

@@ -10,6 +10,12 @@ import (
 // second, within Slack.
 const DefaultInterval = 250 * time.Millisecond
 
+// quietFactor: while the estimate does not change at all (an idle proxy),
+// a Tracker re-reads it this many times less often, so that an idle
+// process is not woken four times a second for nothing; the first change
+// brings the interval back.
+const quietFactor = 4
+
 // Tracker keeps a limit in line with an estimate of the live heap.
 type Tracker struct {
 	Policy Policy
@@ -21,7 +27,8 @@ type Tracker struct {
 	// Changed, if set, is called after each change, with the limit
 	// before it.
 	Changed func(limit, prev int64)
-	// Interval is how often Live is read (DefaultInterval if 0).
+	// Interval is how often Live is read (DefaultInterval if 0), and
+	// quietFactor times less often while it returns the same estimate.
 	Interval time.Duration
 
 	cur int64 // the limit Start set; Run's from then on
@@ -48,15 +55,29 @@ func (t *Tracker) Run(ctx context.Context) int64 {
 	if interval <= 0 {
 		interval = DefaultInterval
 	}
-	tick := time.NewTicker(interval)
-	defer tick.Stop()
+	timer := time.NewTimer(interval)
+	defer timer.Stop()
+	last, quiet := int64(-1), 0
 	for {
 		select {
 		case <-ctx.Done():
 			return cur
-		case <-tick.C:
+		case <-timer.C:
 		}
-		if next := t.Policy.Limit(t.Live()); moved(cur, next) {
+		live := t.Live()
+		// Quiet after quietFactor reads of the same estimate: a change is
+		// then seen at most quietFactor intervals late, once.
+		if live != last {
+			last, quiet = live, 0
+		} else if quiet < quietFactor {
+			quiet++
+		}
+		if quiet == quietFactor {
+			timer.Reset(quietFactor * interval)
+		} else {
+			timer.Reset(interval)
+		}
+		if next := t.Policy.Limit(live); moved(cur, next) {
 			t.Set(next)
 			if t.Changed != nil {
 				t.Changed(next, cur)
