@@ -53,9 +53,7 @@ type notifier struct {
 	// revision (wakeWhenScanned); guarded by mu.
 	scanWaiters map[*stream]int64
 
-	startOnce sync.Once
-	stop      chan struct{} // closed by close
-	done      chan struct{} // closed when run returns; nil until started
+	bg background // the scanning goroutine
 }
 
 // interest is a watcher's range, and what the scans know of it.
@@ -90,33 +88,22 @@ func newNotifier(store Store, follower Follower) *notifier {
 		follower:    follower,
 		interests:   map[*stream]map[int64]*interest{},
 		scanWaiters: map[*stream]int64{},
-		stop:        make(chan struct{}),
+		bg:          newBackground(),
 	}
 }
 
 // start starts the scanning goroutine once, with the first stream; close
 // stops it.
 func (n *notifier) start() {
-	n.startOnce.Do(func() {
+	n.bg.start(func() {
 		n.mu.Lock()
 		n.scanned = n.store.Rev()
-		n.done = make(chan struct{})
 		n.mu.Unlock()
-		go n.run()
-	})
+	}, n.run)
 }
 
 // close stops the scanning goroutine and waits for it.
-func (n *notifier) close() {
-	n.startOnce.Do(func() {}) // never start after close
-	close(n.stop)
-	n.mu.Lock()
-	done := n.done
-	n.mu.Unlock()
-	if done != nil {
-		<-done
-	}
-}
+func (n *notifier) close() { n.bg.close() }
 
 // watch registers (or replaces) the range of watcher id of st.
 func (n *notifier) watch(st *stream, id int64, r keyRange) {
@@ -208,13 +195,12 @@ func (n *notifier) wakeScanWaiters() {
 }
 
 func (n *notifier) run() {
-	defer close(n.done)
 	for {
 		changed := n.follower.Changed()
 		n.sync()
 		select {
 		case <-changed:
-		case <-n.stop:
+		case <-n.bg.stop:
 			return
 		}
 	}

@@ -28,9 +28,7 @@ type streamWaker struct {
 	mu      sync.Mutex
 	streams map[*stream]struct{} // the running streams; guarded by mu
 
-	startOnce sync.Once
-	stop      chan struct{} // closed by close
-	done      chan struct{} // closed when run returns; nil until started; guarded by mu
+	bg background // the waking goroutine
 }
 
 func newStreamWaker(follower Follower, consistency Consistency, interval func() time.Duration, followEtcd bool) *streamWaker {
@@ -40,32 +38,16 @@ func newStreamWaker(follower Follower, consistency Consistency, interval func() 
 		interval:    interval,
 		followEtcd:  followEtcd,
 		streams:     map[*stream]struct{}{},
-		stop:        make(chan struct{}),
+		bg:          newBackground(),
 	}
 }
 
 // start starts the waking goroutine once, with the first stream; close
 // stops it.
-func (w *streamWaker) start() {
-	w.startOnce.Do(func() {
-		w.mu.Lock()
-		w.done = make(chan struct{})
-		w.mu.Unlock()
-		go w.run()
-	})
-}
+func (w *streamWaker) start() { w.bg.start(func() {}, w.run) }
 
 // close stops the waking goroutine and waits for it.
-func (w *streamWaker) close() {
-	w.startOnce.Do(func() {}) // never start after close
-	close(w.stop)
-	w.mu.Lock()
-	done := w.done
-	w.mu.Unlock()
-	if done != nil {
-		<-done
-	}
-}
+func (w *streamWaker) close() { w.bg.close() }
 
 // join adds st to the streams woken; leave removes it.
 func (w *streamWaker) join(st *stream) {
@@ -81,7 +63,6 @@ func (w *streamWaker) leave(st *stream) {
 }
 
 func (w *streamWaker) run() {
-	defer close(w.done)
 	timer := time.NewTimer(w.interval())
 	defer timer.Stop()
 	epoch, _ := w.follower.Epoch()
@@ -109,7 +90,7 @@ func (w *streamWaker) run() {
 			w.tick()
 		case <-failed:
 		case <-epochMoved:
-		case <-w.stop:
+		case <-w.bg.stop:
 			return
 		}
 	}
