@@ -281,9 +281,18 @@ func (s *Server) serveRange(ctx context.Context, r *pb.RangeRequest, encode bool
 		return nil, nil, err
 	}
 	if encode {
-		enc, err = wirecodec.NewEncodedOnce(rangeResponseType, result.OwnSize(), func(own []byte) ([][]byte, error) {
-			return result.AppendPieces(nil, own)
-		})
+		if size < minPiecesBytes {
+			// A page: one copy into one pooled buffer costs less than
+			// handing gRPC a piece a key-value.
+			enc, err = wirecodec.NewEncodedOnce(rangeResponseType, size, func(own []byte) ([][]byte, error) {
+				b, err := result.AppendTo(own)
+				return [][]byte{b}, err
+			})
+		} else {
+			enc, err = wirecodec.NewEncodedOnce(rangeResponseType, result.OwnSize(), func(own []byte) ([][]byte, error) {
+				return result.AppendPieces(nil, own)
+			})
+		}
 		if err != nil {
 			s.releaseCached(held)
 			return nil, nil, status.Errorf(codes.Internal, "etcd-snapcache: encoding a range response: %v", err)
@@ -306,6 +315,12 @@ func (s *Server) serveRange(ctx context.Context, r *pb.RangeRequest, encode bool
 }
 
 var rangeResponseType = (&pb.RangeResponse{}).ProtoReflect().Type()
+
+// minPiecesBytes is the least response sent as pieces of the store's
+// bytes (Result.AppendPieces) rather than copied into one buffer: a page
+// of a paginated LIST (500 key-values of 1 KiB) cost 34% more of the
+// proxy's CPU in pieces, a 10 MiB Range 44% less.
+const minPiecesBytes = 1 << 20
 
 // forwardRange asks etcd, never answering below served, a revision the
 // proxy may already have answered at. etcd answers a serializable read
