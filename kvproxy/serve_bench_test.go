@@ -202,7 +202,7 @@ func (env *serveBenchEnv) autoLimit() func() {
 }
 
 // run reads r b.N times from clients goroutines of a child process (the
-// test binary again, TestServeBenchClient), so that the benchmark's
+// test binary again, serveBenchClient), so that the benchmark's
 // allocations and CPU profile are the server's alone.
 func (env *serveBenchEnv) run(b *testing.B, r *pb.RangeRequest, clients int) {
 	req, err := proto.Marshal(r)
@@ -214,7 +214,7 @@ func (env *serveBenchEnv) run(b *testing.B, r *pb.RangeRequest, clients int) {
 		b.Fatal(err)
 	}
 	b.SetBytes(int64(resp.n))
-	cmd := exec.Command(os.Args[0], "-test.run=^TestServeBenchClient$", "-test.count=1")
+	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(),
 		"SERVE_BENCH_ADDR="+env.addr,
 		"SERVE_BENCH_REQ="+hex.EncodeToString(req),
@@ -267,16 +267,13 @@ func processCPU() time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-// TestServeBenchClient is BenchmarkServeRange's client process.
-func TestServeBenchClient(t *testing.T) {
-	addr := os.Getenv("SERVE_BENCH_ADDR")
-	if addr == "" {
-		t.Skip("BenchmarkServeRange's client process")
-	}
+// serveBenchClient is BenchmarkServeRange's client process, which
+// TestMain runs instead of the tests when SERVE_BENCH_ADDR is set.
+func serveBenchClient(addr string) error {
 	reqBytes, _ := hex.DecodeString(os.Getenv("SERVE_BENCH_REQ"))
 	r := &pb.RangeRequest{}
 	if err := proto.Unmarshal(reqBytes, r); err != nil {
-		t.Fatal(err)
+		return err
 	}
 	ops, _ := strconv.Atoi(os.Getenv("SERVE_BENCH_OPS"))
 	clients, _ := strconv.Atoi(os.Getenv("SERVE_BENCH_CLIENTS"))
@@ -284,34 +281,39 @@ func TestServeBenchClient(t *testing.T) {
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(countingCodec{}), grpc.MaxCallRecvMsgSize(math.MaxInt32)))
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	defer conn.Close()
 	ctx := context.Background()
 	var resp rawResponse
 	if err := conn.Invoke(ctx, pb.KV_Range_FullMethodName, r, &resp); err != nil {
-		t.Fatal(err)
+		return err
 	}
 	if _, err := os.Stdout.Write([]byte("r")); err != nil {
-		t.Fatal(err)
+		return err
 	}
 	if _, err := bufio.NewReader(os.Stdin).ReadString('\n'); err != nil {
-		t.Fatal(err)
+		return err
 	}
 	var wg sync.WaitGroup
 	var next atomic.Int64
+	var failed atomic.Pointer[error]
 	for range clients {
 		wg.Go(func() {
 			var resp rawResponse
 			for next.Add(1) <= int64(ops) {
 				if err := conn.Invoke(ctx, pb.KV_Range_FullMethodName, r, &resp); err != nil {
-					t.Error(err)
+					failed.CompareAndSwap(nil, &err)
 					return
 				}
 			}
 		})
 	}
 	wg.Wait()
+	if err := failed.Load(); err != nil {
+		return *err
+	}
+	return nil
 }
 
 // rawResponse is a response the client does not decode.
