@@ -16,6 +16,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/drain"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/etcderr"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
@@ -387,7 +388,10 @@ const (
 // the store's (verifyResume); then the stream counts as verified for read
 // fences until it ends.
 func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMode, resumed bool) error {
-	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+	// The stream ends as soon as its connection drains (a member's
+	// graceful stop): it resumes elsewhere rather than hold the member's
+	// shutdown for its request timeout.
+	wctx, cancel := drain.Context(clientv3.WithRequireLeader(ctx))
 	defer cancel()
 	f.mu.Lock()
 	if reason := f.reloadReason; reason != "" {
@@ -448,6 +452,9 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMo
 		if err != nil {
 			if errors.Is(err, io.EOF) {
 				err = io.ErrUnexpectedEOF
+			}
+			if cause := context.Cause(wctx); errors.Is(cause, drain.ErrDraining) {
+				err = cause
 			}
 			if errors.Is(rpctypes.Error(err), rpctypes.ErrNoLeader) {
 				f.leader.lost()

@@ -12,6 +12,7 @@ import (
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/broadcast"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/drain"
 )
 
 // progressTicker learns etcd's periodic progress interval
@@ -42,7 +43,7 @@ func (t *progressTicker) run(ctx context.Context) {
 // watch runs one idle watch until it breaks, ticking on each of etcd's
 // periodic notifications.
 func (t *progressTicker) watch(ctx context.Context, bo *backoff.Backoff) error {
-	ctx, cancel := context.WithCancel(ctx)
+	ctx, cancel := drain.Context(ctx) // see Follower.follow
 	defer cancel()
 	stream, err := t.wc.Watch(ctx)
 	if err != nil {

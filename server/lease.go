@@ -17,6 +17,7 @@ import (
 
 	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/drain"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/streamrelay"
 )
 
@@ -236,7 +237,9 @@ func (k *keepAlives) run() {
 }
 
 func (k *keepAlives) serveStream() error {
-	ctx, cancel := context.WithCancel(k.ctx)
+	// The stream reopens elsewhere as soon as its connection drains,
+	// rather than hold a stopping member for its request timeout.
+	ctx, cancel := drain.Context(k.ctx)
 	defer cancel()
 	stream, err := k.upstream.LeaseKeepAlive(ctx)
 	if err != nil {

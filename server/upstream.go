@@ -11,6 +11,8 @@ import (
 
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/drain"
 )
 
 // ClientTLSConfig is the TLS configuration of a client of etcd from
@@ -69,7 +71,9 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, passw
 		Username:             user,
 		Password:             password,
 		Logger:               s.lg.Named("upstream"),
-		DialOptions: []grpc.DialOption{
+		// The balancer is round_robin, as clientv3 picks, that also ends
+		// the proxy's own long-lived streams when their member drains.
+		DialOptions: append(drain.DialOptions(),
 			// The raw stubs used here do not get clientv3's
 			// MaxCallSendMsgSize/MaxCallRecvMsgSize, so the limits go on
 			// the connection. By default responses may be as large as
@@ -88,7 +92,7 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, passw
 			}),
 			grpc.WithChainUnaryInterceptor(append(unaryFirst, append([]grpc.UnaryClientInterceptor{forwardUnaryMetadata, clientMetrics.UnaryClientInterceptor()}, unary...)...)...),
 			grpc.WithChainStreamInterceptor(append(streamFirst, forwardStreamMetadata, clientMetrics.StreamClientInterceptor())...),
-		},
+		),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("connecting to etcd %v: %w", s.cfg.Endpoints, err)

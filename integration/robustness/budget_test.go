@@ -20,10 +20,8 @@ const historyBudget = 4 << 10
 // and the run must have trimmed history
 // (etcd_snapcache_history_trimmed_revisions_total).
 //
-// The fault is the cut of the proxy's upstream connection. A restart of
-// etcd costs 7 s more a run, and the writes of unknown outcome it leaves
-// (46 in one Kubernetes run) took porcupine past its 5 minutes once; that
-// is TestRobustness's concern, not the budget's.
+// The fault is the cut of the proxy's upstream connection: a restart of
+// etcd is TestRobustness's concern, not the budget's.
 func TestRobustnessHistoryBudget(t *testing.T) {
 	withRequestTimeout(t)
 	for _, sc := range scenarios {

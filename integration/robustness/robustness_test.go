@@ -38,11 +38,12 @@ import (
 
 // The shape of a run: traffic for faultAt, then a fault (see fault); once
 // the fault is over and the proxy reaches etcd again, traffic for
-// afterFault. A restart of etcd lasts about 7s: embed.Etcd.Close waits its
-// request timeout (5s + 2 election timeouts) for the proxy's upstream
-// watch and lease keepalive streams, which a graceful stop does not end;
-// and the proxy's reconnection waits out gRPC's connection backoff (up to
-// 5s, grown by the attempts refused while etcd was closing).
+// afterFault. A restart of etcd lasts under a second: embed.Etcd.Close
+// sends GOAWAY and waits (up to its request timeout, 5s + 2 election
+// timeouts) for the open streams, and the proxy ends its own upstream
+// streams at the GOAWAY (internal/drain) rather than hold the restart for
+// that long; the proxy then reconnects within gRPC's connection backoff
+// (at most a second, server/upstream.go).
 const (
 	faultAt    = 2 * time.Second
 	afterFault = 2 * time.Second
@@ -54,6 +55,9 @@ const (
 	// (rather than refusing them, which would add gRPC's reconnect
 	// backoff of a second or more) keeps their number small.
 	faultFor = 500 * time.Millisecond
+	// etcdMinRequestTimeout is the least that etcd's graceful stop waits
+	// for open streams (embed: 5 s plus two election timeouts).
+	etcdMinRequestTimeout = 5 * time.Second
 	// runTimeout bounds the recording (not the validation).
 	runTimeout = 2 * time.Minute
 	// validationTimeout is porcupine's budget for the linearization check:
@@ -566,6 +570,13 @@ func record(t *testing.T, lg *zap.Logger, en *env, tf traffic.Traffic, f fault) 
 		w.Requests, w.Events, w.ProgressNotifies, rec.maxRevision)
 	if kv.Successes == 0 || after.Successes == 0 {
 		t.Fatalf("no successful traffic (after the fault: %d)", after.Successes)
+	}
+	// etcd's graceful stop waits up to its request timeout (5 s at least)
+	// for the streams open on it: only a stream that stayed open past the
+	// GOAWAY holds it that long, and none of these clients' streams is
+	// relayed, so that one would be the proxy's own.
+	if rec.fault == restartEtcd && rec.etcdClose >= etcdMinRequestTimeout {
+		t.Errorf("etcd took %v to close: a stream of the proxy's stayed open on it past its GOAWAY", rec.etcdClose)
 	}
 	// As traffic.SimulateTraffic: too little traffic makes a pass weak.
 	if before.QPS() < profile.KeyValue.MinimalQPS {

@@ -1,0 +1,178 @@
+package drain_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"go.uber.org/zap"
+	"google.golang.org/grpc/peer"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/drain"
+	"github.com/etcd-snapcache/etcd-snapcache/server"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// waitTimeout bounds each wait; no test relies on how long a step takes.
+const waitTimeout = 30 * time.Second
+
+func dial(t *testing.T, endpoints ...string) *clientv3.Client {
+	t.Helper()
+	cli, err := clientv3.New(clientv3.Config{
+		Endpoints:   endpoints,
+		DialTimeout: 5 * time.Second,
+		Logger:      zap.NewNop(),
+		DialOptions: drain.DialOptions(),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cli.Close() })
+	return cli
+}
+
+// openWatch opens a watch stream with ctx and waits until etcd created its
+// watch, and returns the member address it runs on.
+func openWatch(t *testing.T, ctx context.Context, cli *clientv3.Client) string {
+	t.Helper()
+	stream, err := pb.NewWatchClient(cli.ActiveConnection()).Watch(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.Send(&pb.WatchRequest{RequestUnion: &pb.WatchRequest_CreateRequest{CreateRequest: &pb.WatchCreateRequest{Key: []byte("k")}}}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := stream.Recv()
+	if err != nil || !resp.Created {
+		t.Fatalf("watch not created: %v %v", resp, err)
+	}
+	p, ok := peer.FromContext(stream.Context())
+	if !ok {
+		t.Fatal("no peer in the stream's context")
+	}
+	return p.Addr.String()
+}
+
+// member is an embedded etcd that a test stops (or the cleanup does).
+type member struct {
+	addr  string
+	close func()
+}
+
+func startEtcd(t *testing.T) member {
+	t.Helper()
+	e, err := server.StartEmbedded(server.EmbeddedConfig{Dir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeOnce := sync.OnceFunc(e.Close)
+	t.Cleanup(closeOnce)
+	return member{addr: e.Clients[0].Addr().String(), close: closeOnce}
+}
+
+// closeAsync closes m as SIGTERM would, and returns a channel closed once
+// it is closed.
+func (m member) closeAsync() <-chan struct{} {
+	closed := make(chan struct{})
+	go func() {
+		defer close(closed)
+		m.close()
+	}()
+	return closed
+}
+
+func waitDone(t *testing.T, what string, ch <-chan struct{}) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(waitTimeout):
+		t.Fatalf("%s: not within %v", what, waitTimeout)
+	}
+}
+
+// TestGracefulStopEndsTheStream: etcd closing (as on SIGTERM) sends GOAWAY
+// and waits for open streams; a stream opened with drain.Context ends at
+// the GOAWAY, with ErrDraining as its context's cause, so etcd's close is
+// not held by it.
+func TestGracefulStopEndsTheStream(t *testing.T) {
+	m := startEtcd(t)
+	cli := dial(t, m.addr)
+
+	ctx, cancel := drain.Context(t.Context())
+	defer cancel()
+	openWatch(t, ctx, cli)
+	// A unary call made with the stream's context (as the follower checks
+	// etcd's version on its watch's context) ends without untracking the
+	// stream.
+	if _, err := pb.NewKVClient(cli.ActiveConnection()).Range(ctx, &pb.RangeRequest{Key: []byte("k")}); err != nil {
+		t.Fatal(err)
+	}
+
+	closed := m.closeAsync()
+	waitDone(t, "the stream's context canceled", ctx.Done())
+	if cause := context.Cause(ctx); !errors.Is(cause, drain.ErrDraining) {
+		t.Fatalf("cause %v, want ErrDraining", cause)
+	}
+	waitDone(t, "etcd closed", closed)
+}
+
+// TestOnlyTheDrainingMembersStreamsEnd: with two members, streams picked
+// on the member that stops end, and those on the other stay open.
+func TestOnlyTheDrainingMembersStreamsEnd(t *testing.T) {
+	a, b := startEtcd(t), startEtcd(t)
+	addrA, addrB := a.addr, b.addr
+	cli := dial(t, addrA, addrB)
+
+	type opened struct {
+		ctx  context.Context
+		addr string
+	}
+	var streams []opened
+	on := map[string]int{}
+	// round_robin spreads the streams over both members once both are
+	// connected; open streams until each member has some.
+	for i := 0; i < 100 && (on[addrA] < 2 || on[addrB] < 2); i++ {
+		ctx, cancel := drain.Context(t.Context())
+		defer cancel()
+		addr := openWatch(t, ctx, cli)
+		on[addr]++
+		streams = append(streams, opened{ctx, addr})
+	}
+	if on[addrA] == 0 || on[addrB] == 0 {
+		t.Fatalf("streams per member %v: round_robin never used both", on)
+	}
+
+	waitDone(t, "a closed", a.closeAsync())
+	for _, s := range streams {
+		switch s.addr {
+		case addrA:
+			waitDone(t, "a stream on the stopped member canceled", s.ctx.Done())
+			cause := context.Cause(s.ctx)
+			if !errors.Is(cause, drain.ErrDraining) || !strings.Contains(cause.Error(), addrA) {
+				t.Errorf("stream on %s: cause %v, want ErrDraining naming it", addrA, cause)
+			}
+		case addrB:
+			if err := s.ctx.Err(); err != nil {
+				t.Errorf("stream on the member still serving ended: %v", context.Cause(s.ctx))
+			}
+		}
+	}
+}
+
+// TestCancelIsPlain: cancel ends a context from Context as
+// context.WithCancel's would.
+func TestCancelIsPlain(t *testing.T) {
+	ctx, cancel := drain.Context(t.Context())
+	cancel()
+	if !errors.Is(context.Cause(ctx), context.Canceled) {
+		t.Fatalf("cause %v, want context.Canceled", context.Cause(ctx))
+	}
+}
