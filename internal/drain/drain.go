@@ -170,9 +170,9 @@ type pick struct{ stream *stream }
 type subConn struct {
 	addr string
 
-	mu      sync.Mutex
-	state   connectivity.State   // guarded by mu
-	picks   map[*pick]struct{} // guarded by mu
+	mu    sync.Mutex
+	state connectivity.State // guarded by mu
+	picks map[*pick]struct{} // guarded by mu
 }
 
 func (sc *subConn) setState(s connectivity.State) {
