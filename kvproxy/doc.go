@@ -9,7 +9,9 @@
 // a linearizable read whose freshness was not proven in time (unless
 // --consistent-read-fallback=fail), a keys-only read while the upstream's
 // release is unknown, or a read carrying an auth token (the store cannot
-// check permissions). route decides, with one typed reason per decision.
+// check permissions). decide, a pure function of the request and the
+// state route reads, decides, with one typed reason per decision; route
+// waits for what it asks and carries it out.
 // Put, DeleteRange, Txn and Compact always go to etcd and their responses
 // are returned unchanged; a successful Compact is mirrored into the store.
 //

@@ -36,72 +36,208 @@ func cached(view revtree.View, why reason) route {
 func forwarded(why reason) route          { return route{action: forward, reason: why} }
 func refused(why reason, err error) route { return route{action: refuse, reason: why, err: err} }
 
-// route decides where r is answered. The store answers only what it
-// provably holds as etcd would answer it: at a revision it retains, after
-// the read fence for a linearizable read, or serializable at a revision it
-// has reached.
-func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRules) route {
-	// A linearizable read the store may serve needs both the read fence
-	// and, with auth on, a permission check at a fresh auth revision. Each
-	// waits on etcd, so they run together, and the read waits for the
-	// slower one rather than for both in turn.
-	var fence fenceCall
-	forwarding := s.gate.Forwarding()
-	if !r.Serializable && !forwarding && s.follower.Serving() && !s.inconsistent() && (!r.KeysOnly || rules.known) {
-		fence = s.beginFence(r.Revision)
-	}
-	// etcd's handler validates (done), then checks permissions.
-	switch err := s.gate.AuthorizeRead(ctx, r.Key, r.RangeEnd, !r.Serializable); {
-	case errors.Is(err, gate.ErrAskEtcd) && forwarding:
-		return forwarded(reasonForwarding)
-	case errors.Is(err, gate.ErrAskEtcd):
-		return forwarded(reasonAuth)
-	case err != nil:
-		return refused(reasonAuth, err)
-	}
+// routeState is what decide reads: the world of one Range as route found
+// it, and what route has learned since by taking the steps decide asked
+// for. decide only reads it; route fills it in.
+type routeState struct {
+	// Read before the permission check.
+	forwarding bool                   // the cache is off (Gate.Forwarding)
+	rules      releaseRules           // the upstream release's
+	fallback   ConsistentReadFallback // what an unproven linearizable read does
+	// auth is the gate's answer to the permission check (AuthorizeRead).
+	auth error
+	// Read after the permission check.
+	serving      bool // the store answers for etcd (Follower.Serving)
+	inconsistent bool // the consistency checker holds the fallback
+	// Read after the permission check, for a serializable read only (the
+	// one they decide): the store's mirrored compaction revision, the
+	// highest revision etcd has reported to the proxy, and the store's
+	// revision.
+	compactRev, headSeen, storeRev int64
+	// The answers to the steps decide asked for.
+	fence    learned // the read fence's (nextFence)
+	caughtUp learned // WaitRevision's (nextCatchUp)
+	view     learned // the store's, for the view (nextView)
+}
+
+// learned is the answer to one step, once route has taken it.
+type learned struct {
+	done bool
+	err  error
+}
+
+// next is what route does with a decision: answer (forward, refuse,
+// serve), or take a step and decide again.
+type next int
+
+const (
+	nextForward next = iota // send to etcd
+	nextRefuse              // answer decision.err
+	nextServe               // serve the view taken
+	nextView                // take the store's view of decision.rev
+	nextFence               // wait for the read fence at decision.rev
+	nextCatchUp             // wait for the store to reach decision.rev
+)
+
+// decision is decide's answer.
+type decision struct {
+	next   next
+	reason reason // why: with nextForward, nextRefuse, nextServe and nextView
+	rev    int64  // with nextView, nextFence and nextCatchUp
+	err    error  // with nextRefuse: etcd's error, or the proxy's Unavailable
+}
+
+func forwardFor(why reason) decision { return decision{next: nextForward, reason: why} }
+func refuseFor(why reason, err error) decision {
+	return decision{next: nextRefuse, reason: why, err: err}
+}
+
+// decide is where r is answered, and why, as a pure function of r and st;
+// or, when st does not tell yet, the step route must take first (wait for
+// the read fence, wait for the store to reach a revision, take the
+// store's view), whose answer route puts in st before it decides again.
+// A step once answered is never asked for again, so route ends. The store
+// answers only what it provably holds as etcd would answer it: at a
+// revision it retains, after the read fence for a linearizable read, or
+// serializable at a revision it has reached.
+func decide(r *pb.RangeRequest, st routeState) decision {
 	switch {
-	case forwarding:
-		return forwarded(reasonForwarding)
-	case !s.follower.Serving():
+	case errors.Is(st.auth, gate.ErrAskEtcd) && st.forwarding:
+		return forwardFor(reasonForwarding)
+	case errors.Is(st.auth, gate.ErrAskEtcd):
+		return forwardFor(reasonAuth)
+	case st.auth != nil:
+		return refuseFor(reasonAuth, st.auth)
+	case st.forwarding:
+		return forwardFor(reasonForwarding)
+	case !st.serving:
 		// KEP-4568: delegate what etcd answers cheaply, refuse the rest
 		// rather than hang or flood etcd.
 		if isSmall(r) {
-			return forwarded(reasonLoading)
+			return forwardFor(reasonLoading)
 		}
-		return refused(reasonLoading, errLoading)
-	case s.inconsistent():
-		return forwarded(reasonInconsistent)
-	case r.KeysOnly && !rules.known:
+		return refuseFor(reasonLoading, errLoading)
+	case st.inconsistent:
+		return forwardFor(reasonInconsistent)
+	case r.KeysOnly && !st.rules.known:
 		// Whether keys-only results carry the lease depends on the
 		// release.
-		return forwarded(reasonVersionUnknown)
+		return forwardFor(reasonVersionUnknown)
 	case !r.Serializable:
-		if !fence.begun { // the state changed since: fence now
-			fence = s.beginFence(r.Revision)
-		}
-		return s.routeLinearizable(r, s.waitFence(ctx, &fence))
+		return decideLinearizable(r, st)
 	}
 	// A serializable read is answered, with the store's revision in its
 	// header, once the store is no lower than any revision etcd has
 	// reported to the proxy, so that a client reads its own writes and
 	// never goes back in time through it: etcd's member does not answer
 	// below what it has acknowledged, at the head or at a revision.
-	why, need := reasonHistorical, max(r.Revision, s.follower.HeadSeen())
+	why, need := reasonHistorical, max(r.Revision, st.headSeen)
 	if r.Revision <= 0 {
 		// That also covers etcd's compaction revision, which the store
 		// may learn before its watch delivers that revision.
-		why, need = reasonSerializable, max(s.store.CompactRev(), s.follower.HeadSeen())
+		why, need = reasonSerializable, max(st.compactRev, st.headSeen)
 	}
-	if s.store.Rev() < need {
-		wctx, cancel := context.WithTimeout(ctx, s.wait)
-		err := s.follower.WaitRevision(wctx, need)
-		cancel()
-		if err != nil {
-			return forwarded(reasonAhead)
+	if st.storeRev < need {
+		switch {
+		case !st.caughtUp.done:
+			return decision{next: nextCatchUp, rev: need}
+		case st.caughtUp.err != nil:
+			return forwardFor(reasonAhead)
 		}
 		why = reasonWaited
 	}
-	return s.routeView(r.Revision, why)
+	return decideView(r.Revision, why, st.view)
+}
+
+// decideLinearizable serves a linearizable read (etcd reads revision <= 0
+// as its head) from the store once a read fence proves the store holds
+// every write etcd acknowledged before the read arrived.
+func decideLinearizable(r *pb.RangeRequest, st routeState) decision {
+	switch err := st.fence.err; {
+	case !st.fence.done:
+		return decision{next: nextFence, rev: r.Revision}
+	case errors.Is(err, revtree.ErrCompacted):
+		return refuseFor(reasonCompacted, togRPCError(err))
+	case errors.Is(err, revtree.ErrFutureRev):
+		return refuseFor(reasonFuture, togRPCError(err))
+	case err != nil:
+		why := reasonFreshTimeout
+		if !errors.Is(err, context.DeadlineExceeded) {
+			why = reasonFreshError
+		}
+		if st.fallback == FallbackFail {
+			return refuseFor(why, errNotFresh)
+		}
+		return forwardFor(why)
+	}
+	return decideView(r.Revision, reasonLinearizable, st.view)
+}
+
+// decideView serves from the store's view of rev, if the store holds it.
+func decideView(rev int64, why reason, view learned) decision {
+	switch err := view.err; {
+	case !view.done:
+		return decision{next: nextView, reason: why, rev: rev}
+	case err == nil:
+		return decision{next: nextServe, reason: why}
+	case errors.Is(err, revtree.ErrCompacted):
+		return refuseFor(reasonCompacted, togRPCError(err))
+	case errors.Is(err, revtree.ErrNotRetained):
+		return forwardFor(reasonNotRetained)
+	default:
+		// ErrNotLoaded; or ErrFutureRev, which cannot follow the wait or
+		// the fence unless a reload intervened: etcd decides.
+		return forwardFor(reasonNotReady)
+	}
+}
+
+// route decides where r is answered (decide), reading the state the
+// decision needs and taking the steps it asks for.
+func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRules) route {
+	st := routeState{forwarding: s.gate.Forwarding(), rules: rules, fallback: s.fallback}
+	// A linearizable read the store may serve needs both the read fence
+	// and, with auth on, a permission check at a fresh auth revision. Each
+	// waits on etcd, so they run together, and the read waits for the
+	// slower one rather than for both in turn: the fence begins now if the
+	// decision, were the read allowed, would wait for it.
+	var fence fenceCall
+	if !r.Serializable {
+		st.serving, st.inconsistent = s.follower.Serving(), s.inconsistent()
+		if d := decide(r, st); d.next == nextFence {
+			fence = s.beginFence(d.rev)
+		}
+	}
+	// etcd's handler validates (done), then checks permissions.
+	st.auth = s.gate.AuthorizeRead(ctx, r.Key, r.RangeEnd, !r.Serializable)
+	st.serving, st.inconsistent = s.follower.Serving(), s.inconsistent()
+	if r.Serializable {
+		st.compactRev, st.headSeen, st.storeRev = s.store.CompactRev(), s.follower.HeadSeen(), s.store.Rev()
+	}
+	var view revtree.View
+	for {
+		d := decide(r, st)
+		switch d.next {
+		case nextForward:
+			return forwarded(d.reason)
+		case nextRefuse:
+			return refused(d.reason, d.err)
+		case nextServe:
+			return cached(view, d.reason)
+		case nextFence:
+			if !fence.begun { // the state changed since: fence now
+				fence = s.beginFence(d.rev)
+			}
+			st.fence = learned{done: true, err: s.waitFence(ctx, &fence)}
+		case nextCatchUp:
+			wctx, cancel := context.WithTimeout(ctx, s.wait)
+			st.caughtUp = learned{done: true, err: s.follower.WaitRevision(wctx, d.rev)}
+			cancel()
+		case nextView:
+			var err error
+			view, err = s.store.View(d.rev)
+			st.view = learned{done: true, err: err}
+		}
+	}
 }
 
 // fenceCall is a read fence begun beside a request, bounded by the
@@ -123,45 +259,6 @@ func (s *Server) beginFence(rev int64) fenceCall {
 func (s *Server) waitFence(ctx context.Context, f *fenceCall) error {
 	_, err := f.call.Wait(ctx, f.deadline)
 	return err
-}
-
-// routeLinearizable serves a linearizable read (etcd reads revision <= 0 as
-// its head) from the store once a read fence (whose error is err) proves
-// the store holds every write etcd acknowledged before the read arrived.
-func (s *Server) routeLinearizable(r *pb.RangeRequest, err error) route {
-	switch {
-	case errors.Is(err, revtree.ErrCompacted):
-		return refused(reasonCompacted, togRPCError(err))
-	case errors.Is(err, revtree.ErrFutureRev):
-		return refused(reasonFuture, togRPCError(err))
-	case err != nil:
-		why := reasonFreshTimeout
-		if !errors.Is(err, context.DeadlineExceeded) {
-			why = reasonFreshError
-		}
-		if s.fallback == FallbackFail {
-			return refused(why, errNotFresh)
-		}
-		return forwarded(why)
-	}
-	return s.routeView(r.Revision, reasonLinearizable)
-}
-
-// routeView serves from the snapshot of rev, if the store holds it.
-func (s *Server) routeView(rev int64, why reason) route {
-	view, err := s.store.View(rev)
-	switch {
-	case err == nil:
-		return cached(view, why)
-	case errors.Is(err, revtree.ErrCompacted):
-		return refused(reasonCompacted, togRPCError(err))
-	case errors.Is(err, revtree.ErrNotRetained):
-		return forwarded(reasonNotRetained)
-	default:
-		// ErrNotLoaded; or ErrFutureRev, which cannot follow the wait or
-		// the fence above unless a reload intervened: etcd decides.
-		return forwarded(reasonNotReady)
-	}
 }
 
 // togRPCError is etcd's gRPC error for the store's and the read fence's
