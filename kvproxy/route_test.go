@@ -3,6 +3,7 @@ package kvproxy
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"strconv"
 	"sync"
@@ -43,6 +44,8 @@ type fakeFollower struct {
 	fence        func(ctx context.Context, rev int64) (int64, error)
 	waitRevision func(ctx context.Context, rev int64) error
 	store        *revtree.Store
+	// begun counts the fences begun (BeginFence).
+	begun int
 
 	mu       sync.Mutex
 	observed []*pb.ResponseHeader
@@ -62,6 +65,7 @@ func (f *fakeFollower) WaitRevision(ctx context.Context, rev int64) error {
 }
 
 func (f *fakeFollower) BeginFence(rev int64) progress.FenceCall {
+	f.begun++
 	return progress.FenceOf(func(ctx context.Context, deadline time.Time) (int64, error) {
 		ctx, cancel := context.WithDeadline(ctx, deadline)
 		defer cancel()
@@ -724,4 +728,314 @@ func TestSerializableReadNeverBelowHeadSeen(t *testing.T) {
 	if rt.action != serveFromCache || rt.view.StoreRev != 14 {
 		t.Fatalf("store at 14: %v %s at %d, want served at 14", rt.action, rt.reason, rt.view.StoreRev)
 	}
+}
+
+// decideCase is one row of TestDecide: a request, the state decide reads
+// (servingState changed by st), and the decision.
+type decideCase struct {
+	name string
+	req  *pb.RangeRequest
+	st   func(st *routeState)
+	want decision
+}
+
+// servingState is a store at revision 13 serving for etcd 3.7.3, nothing
+// compacted, no revision reported above it, nothing learned yet.
+func servingState() routeState {
+	return routeState{serving: true, rules: rulesFor("3.7.3"), storeRev: 13}
+}
+
+// answered marks a step taken, with its answer.
+func answered(err error) learned { return learned{done: true, err: err} }
+
+func viewTaken(err error) func(*routeState) {
+	return func(st *routeState) { st.view = answered(err) }
+}
+
+// fenced is the read fence answered with err, and the view, if taken,
+// with viewErr.
+func fenced(err error, view ...error) func(*routeState) {
+	return func(st *routeState) {
+		st.fence = answered(err)
+		for _, v := range view {
+			st.view = answered(v)
+		}
+	}
+}
+
+func stateWith(fs ...func(*routeState)) func(*routeState) {
+	return func(st *routeState) {
+		for _, f := range fs {
+			f(st)
+		}
+	}
+}
+
+// decideCases cover every reason decide gives, each step it asks for,
+// and the order in which its conditions are asked.
+func decideCases() []decideCase {
+	errUnreachable := errors.New("etcd unreachable")
+	wide := &pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z")}
+	keysOnly := &pb.RangeRequest{Key: []byte("a"), KeysOnly: true, Serializable: true}
+	askEtcd := func(st *routeState) { st.auth = gate.ErrAskEtcd }
+	denied := func(st *routeState) { st.auth = rpctypes.ErrGRPCPermissionDenied }
+	forwarding := func(st *routeState) { st.forwarding = true }
+	loading := func(st *routeState) { st.serving = false }
+	inconsistent := func(st *routeState) { st.inconsistent = true }
+	unknownRelease := func(st *routeState) { st.rules = rulesFor("") }
+	failUnproven := func(st *routeState) { st.fallback = FallbackFail }
+	headSeen := func(rev int64) func(*routeState) { return func(st *routeState) { st.headSeen = rev } }
+	caughtUp := func(err error) func(*routeState) { return func(st *routeState) { st.caughtUp = answered(err) } }
+	return []decideCase{
+		// The permission check's answer comes first.
+		{name: "caller only etcd can judge", req: key("a"), st: askEtcd,
+			want: forwardFor(reasonAuth)},
+		{name: "caller only etcd can judge, the cache off", req: key("a"), st: stateWith(askEtcd, forwarding),
+			want: forwardFor(reasonForwarding)},
+		{name: "caller refused", req: key("a"), st: denied,
+			want: refuseFor(reasonAuth, rpctypes.ErrGRPCPermissionDenied)},
+		{name: "caller refused, the cache off", req: key("a"), st: stateWith(denied, forwarding),
+			want: refuseFor(reasonAuth, rpctypes.ErrGRPCPermissionDenied)},
+		{name: "caller refused while loading", req: wide, st: stateWith(denied, loading),
+			want: refuseFor(reasonAuth, rpctypes.ErrGRPCPermissionDenied)},
+
+		// Then the state of the cache.
+		{name: "cache off", req: wide, st: stateWith(forwarding, loading),
+			want: forwardFor(reasonForwarding)},
+		{name: "single key while loading", req: key("a"), st: stateWith(loading, inconsistent),
+			want: forwardFor(reasonLoading)},
+		{name: "small limit while loading", req: &pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), Limit: smallReadLimit}, st: loading,
+			want: forwardFor(reasonLoading)},
+		{name: "count while loading", req: &pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), CountOnly: true}, st: loading,
+			want: forwardFor(reasonLoading)},
+		{name: "large limit while loading", req: &pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z"), Limit: smallReadLimit + 1}, st: loading,
+			want: refuseFor(reasonLoading, errLoading)},
+		{name: "range while loading", req: wide, st: loading,
+			want: refuseFor(reasonLoading, errLoading)},
+		{name: "store found inconsistent", req: key("a"), st: stateWith(inconsistent, unknownRelease),
+			want: forwardFor(reasonInconsistent)},
+		{name: "keys-only with the release unknown", req: keysOnly, st: unknownRelease,
+			want: forwardFor(reasonVersionUnknown)},
+		{name: "keys-only with the release known", req: keysOnly,
+			want: decision{next: nextView, reason: reasonSerializable}},
+		{name: "not keys-only with the release unknown", req: serializable("a", 0), st: unknownRelease,
+			want: decision{next: nextView, reason: reasonSerializable}},
+
+		// Linearizable: the read fence, then the view.
+		{name: "linearizable: fence first", req: key("a"),
+			want: decision{next: nextFence}},
+		{name: "linearizable at a revision: fence at it", req: &pb.RangeRequest{Key: []byte("a"), Revision: 11},
+			want: decision{next: nextFence, rev: 11}},
+		{name: "linearizable, fenced: the view", req: key("a"), st: fenced(nil),
+			want: decision{next: nextView, reason: reasonLinearizable}},
+		{name: "linearizable at a revision, fenced: its view", req: &pb.RangeRequest{Key: []byte("a"), Revision: 11}, st: fenced(nil),
+			want: decision{next: nextView, reason: reasonLinearizable, rev: 11}},
+		{name: "linearizable, fenced, viewed", req: key("a"), st: fenced(nil, nil),
+			want: decision{next: nextServe, reason: reasonLinearizable}},
+		{name: "linearizable below the head seen: the fence alone decides", req: key("a"), st: stateWith(headSeen(20), fenced(nil)),
+			want: decision{next: nextView, reason: reasonLinearizable}},
+		{name: "fence timed out, fallback forward", req: key("a"), st: fenced(context.DeadlineExceeded),
+			want: forwardFor(reasonFreshTimeout)},
+		{name: "fence timed out, fallback fail", req: key("a"), st: stateWith(failUnproven, fenced(context.DeadlineExceeded)),
+			want: refuseFor(reasonFreshTimeout, errNotFresh)},
+		{name: "fence failed, fallback forward", req: key("a"), st: fenced(errUnreachable),
+			want: forwardFor(reasonFreshError)},
+		{name: "fence failed, fallback fail", req: key("a"), st: stateWith(failUnproven, fenced(errUnreachable)),
+			want: refuseFor(reasonFreshError, errNotFresh)},
+		{name: "fence: etcd compacted the revision", req: &pb.RangeRequest{Key: []byte("a"), Revision: 3}, st: fenced(progress.ErrCompacted),
+			want: refuseFor(reasonCompacted, rpctypes.ErrGRPCCompacted)},
+		{name: "fence: etcd compacted the revision, fallback fail", req: &pb.RangeRequest{Key: []byte("a"), Revision: 3}, st: stateWith(failUnproven, fenced(fmt.Errorf("fence: %w", progress.ErrCompacted))),
+			want: refuseFor(reasonCompacted, rpctypes.ErrGRPCCompacted)},
+		{name: "fence: future revision", req: &pb.RangeRequest{Key: []byte("a"), Revision: 1000}, st: fenced(progress.ErrFutureRev),
+			want: refuseFor(reasonFuture, rpctypes.ErrGRPCFutureRev)},
+		{name: "linearizable, view compacted since the fence", req: &pb.RangeRequest{Key: []byte("a"), Revision: 11}, st: fenced(nil, revtree.ErrCompacted),
+			want: refuseFor(reasonCompacted, rpctypes.ErrGRPCCompacted)},
+
+		// Serializable at the head: once the store is at what etcd reported.
+		{name: "serializable at the head", req: serializable("a", 0),
+			want: decision{next: nextView, reason: reasonSerializable}},
+		{name: "serializable at the head, viewed", req: serializable("a", 0), st: viewTaken(nil),
+			want: decision{next: nextServe, reason: reasonSerializable}},
+		{name: "serializable, etcd reported a later revision", req: serializable("a", 0), st: headSeen(14),
+			want: decision{next: nextCatchUp, rev: 14}},
+		{name: "serializable, the store knows a later compaction", req: serializable("a", 0), st: func(st *routeState) { st.compactRev = 15 },
+			want: decision{next: nextCatchUp, rev: 15}},
+		{name: "serializable, the store caught up", req: serializable("a", 0), st: stateWith(headSeen(14), caughtUp(nil)),
+			want: decision{next: nextView, reason: reasonWaited}},
+		{name: "serializable, the store caught up, viewed", req: serializable("a", 0), st: stateWith(headSeen(14), caughtUp(nil), viewTaken(nil)),
+			want: decision{next: nextServe, reason: reasonWaited}},
+		{name: "serializable, the store did not catch up", req: serializable("a", 0), st: stateWith(headSeen(14), caughtUp(context.DeadlineExceeded)),
+			want: forwardFor(reasonAhead)},
+		{name: "store not loaded", req: serializable("a", 0), st: viewTaken(revtree.ErrNotLoaded),
+			want: forwardFor(reasonNotReady)},
+
+		// Serializable at a revision.
+		{name: "historical at a retained revision", req: serializable("a", 11),
+			want: decision{next: nextView, reason: reasonHistorical, rev: 11}},
+		{name: "historical, viewed", req: serializable("a", 11), st: viewTaken(nil),
+			want: decision{next: nextServe, reason: reasonHistorical}},
+		{name: "historical, etcd reported a later revision", req: serializable("a", 11), st: headSeen(14),
+			want: decision{next: nextCatchUp, rev: 14}},
+		{name: "historical, the store caught up", req: serializable("a", 11), st: stateWith(headSeen(14), caughtUp(nil)),
+			want: decision{next: nextView, reason: reasonWaited, rev: 11}},
+		{name: "ahead of the store", req: serializable("a", 14),
+			want: decision{next: nextCatchUp, rev: 14}},
+		{name: "ahead of the store, which caught up", req: serializable("a", 14), st: caughtUp(nil),
+			want: decision{next: nextView, reason: reasonWaited, rev: 14}},
+		{name: "ahead of the store, which did not catch up", req: serializable("a", 20), st: caughtUp(context.DeadlineExceeded),
+			want: forwardFor(reasonAhead)},
+		{name: "older than the retained snapshots", req: serializable("a", 9), st: viewTaken(revtree.ErrNotRetained),
+			want: forwardFor(reasonNotRetained)},
+		{name: "store compacted the revision", req: serializable("a", 11), st: viewTaken(revtree.ErrCompacted),
+			want: refuseFor(reasonCompacted, rpctypes.ErrGRPCCompacted)},
+		{name: "future revision after a reload", req: serializable("a", 11), st: viewTaken(revtree.ErrFutureRev),
+			want: forwardFor(reasonNotReady)},
+	}
+}
+
+// TestDecide: decide's answer for each row's request and state: the
+// action or step, its reason and revision, and for a refusal the exact
+// error.
+func TestDecide(t *testing.T) {
+	for _, tc := range decideCases() {
+		t.Run(tc.name, func(t *testing.T) {
+			st := servingState()
+			if tc.st != nil {
+				tc.st(&st)
+			}
+			got := decide(tc.req, st)
+			if got.next != tc.want.next || got.reason != tc.want.reason || got.rev != tc.want.rev {
+				t.Fatalf("decide = next %d, %q at %d; want next %d, %q at %d", got.next, got.reason, got.rev, tc.want.next, tc.want.reason, tc.want.rev)
+			}
+			if !errors.Is(got.err, tc.want.err) || (got.err != nil && got.err.Error() != tc.want.err.Error()) {
+				t.Fatalf("decide refused with %v, want %v", got.err, tc.want.err)
+			}
+		})
+	}
+}
+
+// TestDecideCoversEveryReason: every reason of the ranges metric that
+// route decides has a row in TestDecide. The others are decided after
+// it: RangeStream's own routing, and admission (Range, RangeStream).
+func TestDecideCoversEveryReason(t *testing.T) {
+	decidedAfter := map[reason]bool{reasonRangeStream: true, reasonOverload: true, reasonMemory: true}
+	rows := map[reason]bool{}
+	for _, tc := range decideCases() {
+		rows[tc.want.reason] = true
+	}
+	for _, why := range reasons {
+		if !rows[why] && !decidedAfter[why] {
+			t.Errorf("reason %q has no row in decideCases", why)
+		}
+	}
+}
+
+// TestDecideEnds: from every row's state, taking each step decide asks
+// for (each answered without error) ends in an answer, and no step is
+// asked for twice: route's loop ends.
+func TestDecideEnds(t *testing.T) {
+	for _, tc := range decideCases() {
+		t.Run(tc.name, func(t *testing.T) {
+			st := servingState()
+			if tc.st != nil {
+				tc.st(&st)
+			}
+			asked := map[next]bool{}
+			for {
+				d := decide(tc.req, st)
+				if asked[d.next] {
+					t.Fatalf("step %d asked for again", d.next)
+				}
+				asked[d.next] = true
+				switch d.next {
+				case nextForward, nextRefuse, nextServe:
+					return
+				case nextFence:
+					st.fence = answered(nil)
+				case nextCatchUp:
+					st.caughtUp = answered(nil)
+				case nextView:
+					st.view = answered(nil)
+				default:
+					t.Fatalf("unknown step %d", d.next)
+				}
+			}
+		})
+	}
+}
+
+// TestFenceBeginsBeforeThePermissionCheck: route begins the read fence
+// before the gate's check exactly when decide, the read allowed, would
+// wait for it; a fence it did not begin then is begun once decide asks.
+func TestFenceBeginsBeforeThePermissionCheck(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		req  *pb.RangeRequest
+		// setup changes the world before the server is made; during
+		// changes it while the permission check runs.
+		setup  func(e *routeEnv)
+		during func(e *routeEnv)
+		early  bool // begun before the check
+		fences int  // begun in all
+		action action
+	}{
+		{name: "linearizable", req: key("a"), early: true, fences: 1, action: serveFromCache},
+		{name: "serializable", req: serializable("a", 0), action: serveFromCache},
+		{name: "linearizable while loading", req: key("a"), action: forward,
+			setup: func(e *routeEnv) { e.follower.serving = false }},
+		{name: "linearizable, store inconsistent", req: key("a"), action: forward,
+			setup: func(e *routeEnv) { e.cfg.Inconsistent = func() bool { return true } }},
+		{name: "linearizable keys-only, release unknown", req: &pb.RangeRequest{Key: []byte("a"), KeysOnly: true}, action: forward,
+			setup: func(e *routeEnv) { e.follower.version = "" }},
+		{name: "linearizable, loaded during the check", req: key("a"), fences: 1, action: serveFromCache,
+			setup:  func(e *routeEnv) { e.follower.serving = false },
+			during: func(e *routeEnv) { e.follower.serving = true }},
+		{name: "linearizable, reloading after the check began", req: key("a"), early: true, fences: 1, action: forward,
+			during: func(e *routeEnv) { e.follower.serving = false }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newRouteEnv(t)
+			if tc.setup != nil {
+				tc.setup(e)
+			}
+			g := &recordingGate{follower: e.follower}
+			if tc.during != nil {
+				g.during = func() { tc.during(e) }
+			}
+			e.cfg.Gate = g
+			s := New(e.cfg)
+			rt := s.route(t.Context(), tc.req, s.rules())
+			if g.calls != 1 {
+				t.Fatalf("%d permission checks, want 1", g.calls)
+			}
+			if g.begunBefore != tc.early {
+				t.Fatalf("fence begun before the permission check: %v, want %v", g.begunBefore, tc.early)
+			}
+			if e.follower.begun != tc.fences {
+				t.Fatalf("%d fences begun, want %d", e.follower.begun, tc.fences)
+			}
+			if rt.action != tc.action {
+				t.Fatalf("route = %v/%s, want %v", rt.action, rt.reason, tc.action)
+			}
+		})
+	}
+}
+
+// recordingGate allows every read, and records whether a fence was begun
+// before its check; during, if set, runs in the check.
+type recordingGate struct {
+	gate.Unchecked
+	follower    *fakeFollower
+	during      func()
+	calls       int
+	begunBefore bool
+}
+
+func (g *recordingGate) AuthorizeRead(context.Context, []byte, []byte, bool) error {
+	g.calls++
+	g.begunBefore = g.follower.begun > 0
+	if g.during != nil {
+		g.during()
+	}
+	return nil
 }
