@@ -79,6 +79,24 @@ type Follower interface {
 	UpstreamVersion() string
 }
 
+// authMirror is what the gate's decisions read of etcd's auth state
+// (authcache.Mirror).
+type authMirror interface {
+	// Enabled reports whether etcd has auth enabled, as of the last poll,
+	// and whether any poll has answered yet.
+	Enabled() (enabled, known bool)
+	// Checker is the checker of the current auth revision, nil while it
+	// is not read.
+	Checker() *authcache.Checker
+	// CheckerAt waits for a checker of auth revision rev or later; it
+	// fails with authcache.ErrNoMirror while the users and roles cannot
+	// be read.
+	CheckerAt(ctx context.Context, rev uint64) (*authcache.Checker, error)
+	// Status is etcd's auth state from an AuthStatus that started after
+	// the call.
+	Status(ctx context.Context) (enabled bool, rev uint64, err error)
+}
+
 // Config configures a Gate.
 type Config struct {
 	// User is the proxy's own user in etcd (--user), "" for none.
@@ -130,7 +148,12 @@ type Gate struct {
 
 	// Set by Connect, before any request.
 	follower Follower
-	mirror   *authcache.Mirror
+	// mirror follows etcd's auth state: the gate runs it (Start) and
+	// tells it what requests through the proxy showed (AuthServer).
+	mirror *authcache.Mirror
+	// auth is what the gate reads of that state: mirror, or a fake in
+	// the decisions' tests.
+	auth authMirror
 	// probeKV reads etcd through the forwarding connection: with a
 	// caller's context it shows etcd the caller's token.
 	probeKV pb.KVClient
@@ -177,6 +200,7 @@ func (g *Gate) Connect(u Upstream) {
 		JWT:          g.jwt,
 		Logger:       g.lg,
 	})
+	g.auth = g.mirror
 	g.disabledProof = coalesce.New(g.authEnabledNow)
 }
 
@@ -198,13 +222,13 @@ func (g *Gate) AuthKnown() <-chan struct{} { return g.mirror.Known() }
 
 // AuthEnabled reports whether etcd has auth enabled, as far as the proxy
 // knows, and whether it knows.
-func (g *Gate) AuthEnabled() (enabled, known bool) { return g.mirror.Enabled() }
+func (g *Gate) AuthEnabled() (enabled, known bool) { return g.auth.Enabled() }
 
 // AuthStateKnown reports whether the proxy knows whether etcd has auth
 // enabled. Until then a cached read must ask etcd for its auth state (an
 // AuthStatus, which etcd commits through raft) before it is served.
 func (g *Gate) AuthStateKnown() bool {
-	_, known := g.mirror.Enabled()
+	_, known := g.auth.Enabled()
 	return known
 }
 
@@ -250,7 +274,7 @@ func (g *Gate) Forwarding() bool {
 	if g.hasIdentity() {
 		return false
 	}
-	if on, known := g.mirror.Enabled(); known {
+	if on, known := g.auth.Enabled(); known {
 		return on
 	}
 	return !g.follower.Serving() && g.follower.IdentityRefused()
@@ -280,7 +304,7 @@ func (g *Gate) authFor(ctx context.Context, c Caller, fresh bool) (*authcache.Ch
 		}
 	} else {
 		var known bool
-		if enabled, known = g.mirror.Enabled(); !known {
+		if enabled, known = g.auth.Enabled(); !known {
 			if c.Kind == TokenCaller {
 				return nil, none, ErrAskEtcd
 			}
@@ -290,14 +314,14 @@ func (g *Gate) authFor(ctx context.Context, c Caller, fresh bool) (*authcache.Ch
 	if !enabled {
 		return nil, none, nil
 	}
-	chk := g.mirror.Checker()
+	chk := g.auth.Checker()
 	var chkErr error // why no checker came, when one was waited for
 	if rev != 0 && (chk == nil || chk.Revision() < rev) || chk == nil && c.Kind == CertCaller {
 		// A fresh auth revision, or a certificate caller while the mirror
 		// reads the users and roles again after a change: wait for them,
 		// rather than refuse a caller only the proxy can check.
 		cctx, cancel := context.WithTimeout(ctx, g.cfg.FreshnessTimeout)
-		chk, chkErr = g.mirror.CheckerAt(cctx, rev)
+		chk, chkErr = g.auth.CheckerAt(cctx, rev)
 		cancel()
 	}
 	switch {
@@ -373,7 +397,7 @@ func (g *Gate) verifyToken(ctx context.Context) error {
 // auth was enabled meanwhile), or one shared anonymous quorum read;
 // otherwise, and while auth is enabled, a shared AuthStatus.
 func (g *Gate) freshAuth(ctx context.Context) (bool, uint64, error) {
-	if on, known := g.mirror.Enabled(); known && !on {
+	if on, known := g.auth.Enabled(); known && !on {
 		switch {
 		case g.cfg.User == "" && g.upstreamCN == "":
 			return false, 0, nil
@@ -387,7 +411,7 @@ func (g *Gate) freshAuth(ctx context.Context) (bool, uint64, error) {
 			}
 		}
 	}
-	return g.mirror.Status(ctx)
+	return g.auth.Status(ctx)
 }
 
 // authEnabledNow is the disabled proof's call: a linearizable count of one

@@ -173,10 +173,10 @@ const kvMethodPrefix = "/etcdserverpb.KV/"
 // mirroredAuthRevision is the auth revision of the mirror's checker, 0 if
 // none (or before Connect).
 func (g *Gate) mirroredAuthRevision() uint64 {
-	if g.mirror == nil {
+	if g.auth == nil {
 		return 0
 	}
-	if c := g.mirror.Checker(); c != nil {
+	if c := g.auth.Checker(); c != nil {
 		return c.Revision()
 	}
 	return 0
