@@ -489,14 +489,40 @@ func writeCopy(ctx context.Context, path string, view revtree.View, undo []*mvcc
 	}); err != nil {
 		return err
 	}
-	// The keyspace, a chunk of keys per transaction, in key order, and
-	// every BoundsEvery-th key for Open.
+	bounds, err := writeKeyspace(ctx, db, view)
+	if err != nil {
+		return err
+	}
+	if err := db.Update(func(tx *bolt.Tx) error { return undoEvents(tx.Bucket(kvBucket), undo) }); err != nil {
+		return err
+	}
+	if err := writeBatches(ctx, db, batches); err != nil {
+		return err
+	}
+	if err := db.Sync(); err != nil {
+		return fmt.Errorf("syncing %s: %w", path, err)
+	}
+	db.NoSync = false
+	rec, err := marshalBounds(bounds)
+	if err != nil {
+		return err
+	}
+	return db.Update(func(tx *bolt.Tx) error {
+		if err := tx.Bucket(metaBucket).Put(boundsKey, rec); err != nil {
+			return fmt.Errorf("writing the copy's bounds: %w", err)
+		}
+		return putState(tx, s)
+	})
+}
+
+// writeKeyspace writes the keys of view, a chunk of about chunkBytes per
+// transaction, in key order, and returns every BoundsEvery-th key for Open.
+func writeKeyspace(ctx context.Context, db *bolt.DB, view revtree.View) (bounds [][]byte, err error) {
 	from := []byte{0}
-	var bounds [][]byte
 	n := 0
 	for from != nil {
 		if err := ctx.Err(); err != nil {
-			return err
+			return nil, err
 		}
 		var buf []byte
 		var recs [][2][]byte
@@ -518,7 +544,7 @@ func writeCopy(ctx context.Context, path string, view revtree.View, undo []*mvcc
 			return true
 		})
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if err := db.Update(func(tx *bolt.Tx) error {
 			b := tx.Bucket(kvBucket)
@@ -530,13 +556,16 @@ func writeCopy(ctx context.Context, path string, view revtree.View, undo []*mvcc
 			}
 			return nil
 		}); err != nil {
-			return err
+			return nil, err
 		}
 		from = next
 	}
-	if err := db.Update(func(tx *bolt.Tx) error { return undoEvents(tx.Bucket(kvBucket), undo) }); err != nil {
-		return err
-	}
+	return bounds, nil
+}
+
+// writeBatches writes the events of batches, about chunkBytes per
+// transaction, in revision order.
+func writeBatches(ctx context.Context, db *bolt.DB, batches []revtree.Batch) error {
 	for len(batches) > 0 {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -561,20 +590,7 @@ func writeCopy(ctx context.Context, path string, view revtree.View, undo []*mvcc
 			return err
 		}
 	}
-	if err := db.Sync(); err != nil {
-		return fmt.Errorf("syncing %s: %w", path, err)
-	}
-	db.NoSync = false
-	rec, err := marshalBounds(bounds)
-	if err != nil {
-		return err
-	}
-	return db.Update(func(tx *bolt.Tx) error {
-		if err := tx.Bucket(metaBucket).Put(boundsKey, rec); err != nil {
-			return fmt.Errorf("writing the copy's bounds: %w", err)
-		}
-		return putState(tx, s)
-	})
+	return nil
 }
 
 // undoEvents makes kv the keyspace before the revision of events: each key

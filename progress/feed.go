@@ -442,98 +442,128 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMo
 	defer sender.Wait()
 	defer cancel()
 
+	ws := &watchStream{ctx: wctx, bo: bo, mode: mode, resumed: resumed, startRev: startRev}
 	for {
 		resp, err := stream.Recv()
-		if err != nil && wctx.Err() != nil && ctx.Err() == nil {
-			if reason := f.takeReloadReason(); reason != "" {
-				return &reloadError{reason: reason, err: errors.New("reload requested")}
-			}
-		}
 		if err != nil {
-			if errors.Is(err, io.EOF) {
-				err = io.ErrUnexpectedEOF
-			}
-			if cause := context.Cause(wctx); errors.Is(cause, drain.ErrDraining) {
-				err = cause
-			}
-			if errors.Is(rpctypes.Error(err), rpctypes.ErrNoLeader) {
-				f.leader.lost()
-			}
-			select {
-			case serr := <-sendErr:
-				if serr != nil && !errors.Is(serr, context.Canceled) {
-					err = serr
-				}
-			default:
-			}
-			return fmt.Errorf("upstream watch: %w", err)
+			return f.streamBroken(ctx, wctx, err, sendErr)
 		}
 		f.observeHeader(resp.Header)
-		switch {
-		case resp.CompactRevision == startRev+1 && mode == fromStore:
-			return errCompactedAtNext
-		case resp.CompactRevision != 0:
-			// The resume revision was compacted while we were away, or
-			// etcd was restored with --mark-compacted: either way every
-			// watcher is behind etcd's compaction, and etcd would cancel
-			// it.
-			err := fmt.Errorf("watch from revision %d canceled: compacted at %d", startRev, resp.CompactRevision)
-			if f.warm.opened {
-				return f.refuseDisk("compacted", err)
-			}
-			// Mirrored first, so that the watchers end with etcd's
-			// compact_revision, not their own next revision, whether the
-			// probe found it before this answer or not.
-			f.ObserveCompaction(resp.CompactRevision, "watch")
-			f.timelineChanged("compacted-resume", err)
-			return &reloadError{reason: "compacted", err: err}
-		case resp.Canceled && mode == loadAtHead:
-			// etcd refused the watch of the keyspace (its auth): the load
-			// fails as a read of it would.
-			return &loadError{fmt.Errorf("watching the keyspace: %w", etcderr.OfCancelReason(resp.CancelReason))}
-		case resp.Canceled:
-			return fmt.Errorf("upstream watch canceled: %s", resp.CancelReason)
-		case resp.Created && mode == fromHead && resp.Header.Revision > startRev:
-			return errBehindHead
-		case resp.Created:
-			switch {
-			case mode == loadAtHead:
-				// The stream is not read meanwhile: etcd holds its events.
-				if err := f.load(wctx, resp.Header, false); err != nil {
-					return err
-				}
-				startRev = f.store.Rev()
-			case resumed:
-				if err := f.verifyResume(wctx, startRev, mode == fromNext); err != nil {
-					switch {
-					case errors.Is(err, errTimeline):
-						return &reloadError{reason: "timeline", err: err}
-					case errors.Is(err, errCompactedResume):
-						return &reloadError{reason: "compacted", err: err}
-					}
-					return err
-				}
-			}
-			f.verified.Store(f.streamGens.Add(1))
-			f.following.Store(true)
-			f.leader.found()
-			bo.Reset()
-			f.lg.Info("following etcd", zap.Int64("store-revision", startRev), zap.Bool("from-head", mode == fromHead || mode == loadAtHead))
-			// The member that answers may run another release now.
-			f.version.reconnected()
-			// The created response promises nothing about revisions: a
-			// progress request is the way to learn the head. Re-send any
-			// request that was lost with the previous stream.
-			f.requests.streamLost()
-			continue
-		case len(resp.Events) == 0:
-			f.onProgress(resp.Header.Revision, resp.WatchId == clientv3.InvalidWatchID)
-			continue
-		}
-		if err := f.applyEvents(resp.Events); err != nil {
+		if err := f.handle(ws, resp); err != nil {
 			return err
 		}
 	}
+}
+
+// watchStream is what follow knows of its upstream watch while it reads it.
+type watchStream struct {
+	ctx      context.Context // the stream's; canceled when it ends
+	bo       *backoff.Backoff
+	mode     startMode
+	resumed  bool  // verify etcd's history is the store's once created
+	startRev int64 // the store's revision the stream continues
+}
+
+// streamBroken returns the error that ends a stream whose Recv failed:
+// a reload asked for meanwhile, the draining of its connection, or the
+// failure itself (or the sender's, which broke it).
+func (f *Follower) streamBroken(ctx, wctx context.Context, err error, sendErr <-chan error) error {
+	if wctx.Err() != nil && ctx.Err() == nil {
+		if reason := f.takeReloadReason(); reason != "" {
+			return &reloadError{reason: reason, err: errors.New("reload requested")}
+		}
+	}
+	if errors.Is(err, io.EOF) {
+		err = io.ErrUnexpectedEOF
+	}
+	if cause := context.Cause(wctx); errors.Is(cause, drain.ErrDraining) {
+		err = cause
+	}
+	if errors.Is(rpctypes.Error(err), rpctypes.ErrNoLeader) {
+		f.leader.lost()
+	}
+	select {
+	case serr := <-sendErr:
+		if serr != nil && !errors.Is(serr, context.Canceled) {
+			err = serr
+		}
+	default:
+	}
+	return fmt.Errorf("upstream watch: %w", err)
+}
+
+// handle takes one response of the upstream watch; an error ends the
+// stream.
+func (f *Follower) handle(ws *watchStream, resp *pb.WatchResponse) error {
+	switch {
+	case resp.CompactRevision == ws.startRev+1 && ws.mode == fromStore:
+		return errCompactedAtNext
+	case resp.CompactRevision != 0:
+		// The resume revision was compacted while we were away, or
+		// etcd was restored with --mark-compacted: either way every
+		// watcher is behind etcd's compaction, and etcd would cancel
+		// it.
+		err := fmt.Errorf("watch from revision %d canceled: compacted at %d", ws.startRev, resp.CompactRevision)
+		if f.warm.opened {
+			return f.refuseDisk("compacted", err)
+		}
+		// Mirrored first, so that the watchers end with etcd's
+		// compact_revision, not their own next revision, whether the
+		// probe found it before this answer or not.
+		f.ObserveCompaction(resp.CompactRevision, "watch")
+		f.timelineChanged("compacted-resume", err)
+		return &reloadError{reason: "compacted", err: err}
+	case resp.Canceled && ws.mode == loadAtHead:
+		// etcd refused the watch of the keyspace (its auth): the load
+		// fails as a read of it would.
+		return &loadError{fmt.Errorf("watching the keyspace: %w", etcderr.OfCancelReason(resp.CancelReason))}
+	case resp.Canceled:
+		return fmt.Errorf("upstream watch canceled: %s", resp.CancelReason)
+	case resp.Created && ws.mode == fromHead && resp.Header.Revision > ws.startRev:
+		return errBehindHead
+	case resp.Created:
+		return f.created(ws, resp)
+	case len(resp.Events) == 0:
+		f.onProgress(resp.Header.Revision, resp.WatchId == clientv3.InvalidWatchID)
+		return nil
+	}
+	return f.applyEvents(resp.Events)
+}
+
+// created starts following on the created response: after the load from
+// etcd's head, or once a resumed stream's history is verified to be the
+// store's.
+func (f *Follower) created(ws *watchStream, resp *pb.WatchResponse) error {
+	switch {
+	case ws.mode == loadAtHead:
+		// The stream is not read meanwhile: etcd holds its events.
+		if err := f.load(ws.ctx, resp.Header, false); err != nil {
+			return err
+		}
+		ws.startRev = f.store.Rev()
+	case ws.resumed:
+		if err := f.verifyResume(ws.ctx, ws.startRev, ws.mode == fromNext); err != nil {
+			switch {
+			case errors.Is(err, errTimeline):
+				return &reloadError{reason: "timeline", err: err}
+			case errors.Is(err, errCompactedResume):
+				return &reloadError{reason: "compacted", err: err}
+			}
+			return err
+		}
+	}
+	f.verified.Store(f.streamGens.Add(1))
+	f.following.Store(true)
+	f.leader.found()
+	ws.bo.Reset()
+	f.lg.Info("following etcd", zap.Int64("store-revision", ws.startRev), zap.Bool("from-head", ws.mode == fromHead || ws.mode == loadAtHead))
+	// The member that answers may run another release now.
+	f.version.reconnected()
+	// The created response promises nothing about revisions: a progress
+	// request is the way to learn the head. Re-send any request that was
+	// lost with the previous stream.
+	f.requests.streamLost()
+	return nil
 }
 
 // onProgress handles a progress notification at rev; requested says it

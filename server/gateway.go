@@ -7,9 +7,7 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"net"
 	"net/http"
-	"strconv"
 	"strings"
 
 	gw "github.com/grpc-ecosystem/grpc-gateway/v2/runtime"
@@ -61,11 +59,6 @@ type gateway struct {
 // the local server without verifying it, with no bound on the size of a
 // response. The connection is made on first use.
 func (s *Server) newGateway() (*gateway, error) {
-	addr := s.clientLis.Addr().(*net.TCPAddr)
-	host := addr.IP.String()
-	if addr.IP.IsUnspecified() {
-		host = "127.0.0.1"
-	}
 	opts := []grpc.DialOption{grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(math.MaxInt32))}
 	if s.tls != nil {
 		tlsCfg, err := s.tls.ServerConfig()
@@ -78,7 +71,7 @@ func (s *Server) newGateway() (*gateway, error) {
 	} else {
 		opts = append(opts, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	}
-	conn, err := grpc.NewClient(net.JoinHostPort(host, strconv.Itoa(addr.Port)), opts...)
+	conn, err := grpc.NewClient(s.selfAddr(), opts...)
 	if err != nil {
 		return nil, fmt.Errorf("the JSON gateway's connection to the proxy: %w", err)
 	}

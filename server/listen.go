@@ -169,6 +169,13 @@ func (s *Server) newHTTPServer(h http.Handler) *http.Server {
 // see it, and the rest to the HTTP server: HTTP/1 as they are, HTTP/2 to
 // an HTTP/2 server of the same handler, which hands a gRPC request on such
 // a connection to the gRPC server through ServeHTTP, as etcd does.
+//
+// Two muxes, because the two cases split on different facts. In plaintext
+// an HTTP/2 connection is gRPC (HTTP clients speak HTTP/1 without TLS, as
+// etcd assumes), which cmux sees in the connection's preface. Over TLS
+// every HTTPS client may negotiate HTTP/2, so only the first request's
+// content type tells gRPC apart, read after the handshake, which cmux
+// cannot do on a listener that terminates TLS with etcd's CRL checks.
 func (s *Server) serveClientPort(gs *grpc.Server, mux http.Handler) error {
 	if s.tls == nil {
 		m := cmux.New(s.clientLis)
@@ -207,7 +214,7 @@ func (s *Server) serveClientPort(gs *grpc.Server, mux http.Handler) error {
 // other.
 func grpcHandlerFunc(gs *grpc.Server, other http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.ProtoMajor == 2 && strings.Contains(r.Header.Get("Content-Type"), "application/grpc") {
+		if isGRPC(r) {
 			gs.ServeHTTP(w, r)
 			return
 		}

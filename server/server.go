@@ -297,11 +297,6 @@ func (s *Server) run(fn func()) {
 // itself for /proxy/health: over the serving TLS, with the serving
 // certificate as its client certificate.
 func (s *Server) dialSelf() (*clientv3.Client, error) {
-	addr := s.clientLis.Addr().(*net.TCPAddr)
-	host := addr.IP.String()
-	if addr.IP.IsUnspecified() {
-		host = "127.0.0.1"
-	}
 	scheme := "http"
 	cfg := clientv3.Config{DialTimeout: connectTimeout, Logger: s.lg.Named("self")}
 	if s.tls != nil {
@@ -312,8 +307,20 @@ func (s *Server) dialSelf() (*clientv3.Client, error) {
 		}
 		cfg.TLS = tlsCfg
 	}
-	cfg.Endpoints = []string{scheme + "://" + net.JoinHostPort(host, strconv.Itoa(addr.Port))}
+	cfg.Endpoints = []string{scheme + "://" + s.selfAddr()}
 	return clientv3.New(cfg)
+}
+
+// selfAddr is the address at which the proxy dials its own client port
+// (for /proxy/health and the JSON gateway): the loopback address when it
+// listens on every address.
+func (s *Server) selfAddr() string {
+	addr := s.clientLis.Addr().(*net.TCPAddr)
+	host := addr.IP.String()
+	if addr.IP.IsUnspecified() {
+		host = "127.0.0.1"
+	}
+	return net.JoinHostPort(host, strconv.Itoa(addr.Port))
 }
 
 func (s *Server) newHTTPEndpoints() (httpEndpoints, error) {
