@@ -4,16 +4,18 @@ import (
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 )
 
 // source is where a Range was answered from: the "source" label of the
-// ranges metric.
+// ranges metric, named in proxystatus, which /proxy/status shares.
 type source string
 
 const (
-	sourceCache     source = "cache"
-	sourceForwarded source = "forwarded"
-	sourceRejected  source = "rejected"
+	sourceCache     = source(proxystatus.SourceCache)
+	sourceForwarded = source(proxystatus.SourceForwarded)
+	sourceRejected  = source(proxystatus.SourceRejected)
 )
 
 // reason is why a Range was answered where it was: the "reason" label of
