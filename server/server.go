@@ -77,6 +77,10 @@ type Server struct {
 	asProxyKeepAlives *keepAlives // certificate callers', checked, as the proxy
 	watch             *watchproxy.Server
 	kv                *kvproxy.Server
+	// kvMetrics and watchMetrics are the KV and Watch services' metrics,
+	// which /proxy/status reads too.
+	kvMetrics    *kvproxy.Metrics
+	watchMetrics *watchproxy.Metrics
 	// clientDone are closed when goroutines of etcd's grpcproxy that live
 	// as long as the upstream client end, after it is closed.
 	clientDone []<-chan struct{}
@@ -329,6 +333,7 @@ func (s *Server) newHTTPEndpoints() (httpEndpoints, error) {
 		upstreamHTTP: &http.Client{Transport: &http.Transport{TLSClientConfig: tlsCfg}, Timeout: 10 * time.Second},
 		upstreamEPs:  s.client.Endpoints(),
 		self:         s.self,
+		status:       s.status,
 		probes: &probes{
 			livez:  []probeCheck{{name: "ping", check: func() error { return nil }}},
 			readyz: s.readyChecks(),
