@@ -32,6 +32,7 @@ var httpPaths = []struct{ path, want string }{
 	{"/health", `"health":"true"`},                      // etcd's health
 	{"/proxy/metrics", "etcd_snapcache_cache_revision"}, // the proxy's own
 	{"/proxy/health", `"health":"true"`},                // a Get and a Watch through the proxy
+	{"/proxy/status", `"mode":"cache"`},                 // the proxy's status document
 	{"/livez", "ok"},
 	{"/readyz", "ok"},
 	{"/readyz?verbose", "[+]cache ok"},

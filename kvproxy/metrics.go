@@ -4,16 +4,19 @@ import (
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 )
 
 // source is where a Range was answered from: the "source" label of the
-// ranges metric.
+// ranges metric, named in proxystatus, which /proxy/status shares.
 type source string
 
 const (
-	sourceCache     source = "cache"
-	sourceForwarded source = "forwarded"
-	sourceRejected  source = "rejected"
+	sourceCache     = source(proxystatus.SourceCache)
+	sourceForwarded = source(proxystatus.SourceForwarded)
+	sourceRejected  = source(proxystatus.SourceRejected)
 )
 
 // reason is why a Range was answered where it was: the "reason" label of
@@ -112,6 +115,40 @@ type lazyCounter struct {
 func (l *lazyCounter) get(vec *prometheus.CounterVec, src source, why reason) prometheus.Counter {
 	l.once.Do(func() { l.c = vec.WithLabelValues(string(src), string(why)) })
 	return l.c
+}
+
+// RangeRequests are the Range requests counted so far, by source and
+// reason: the ranges metric's series, with the values a scrape reads (a
+// series exists once a request was counted in it).
+func (m *Metrics) RangeRequests() []proxystatus.RangeRequests {
+	out := []proxystatus.RangeRequests{}
+	if m == nil {
+		return out
+	}
+	// Collect sends every series and returns: the goroutine ends once
+	// the range below has drained the channel.
+	ch := make(chan prometheus.Metric)
+	go func() {
+		m.ranges.Collect(ch)
+		close(ch)
+	}()
+	for s := range ch {
+		var d dto.Metric
+		if s.Write(&d) != nil {
+			continue
+		}
+		r := proxystatus.RangeRequests{Count: int64(d.GetCounter().GetValue())}
+		for _, l := range d.GetLabel() {
+			switch l.GetName() {
+			case "source":
+				r.Source = proxystatus.Source(l.GetValue())
+			case "reason":
+				r.Reason = l.GetValue()
+			}
+		}
+		out = append(out, r)
+	}
+	return out
 }
 
 func (m *Metrics) observeWentBack() {

@@ -280,6 +280,10 @@ func (f *Follower) ObserveHeader(h *pb.ResponseHeader) { f.observeHeader(h) }
 // served at a lower revision would show a client less than it has seen.
 func (f *Follower) HeadSeen() int64 { return f.upstream.head.Load() }
 
+// RevisionLag is how many revisions the store is behind the highest head
+// etcd has reported: the revision lag metric's value, and /proxy/status's.
+func (f *Follower) RevisionLag() int64 { return max(f.upstream.head.Load()-f.store.Rev(), 0) }
+
 // LeaderLost returns whether etcd has reported that it has no leader (and no
 // watch has been created since), and a channel closed when it next does.
 // Streams that require a leader end on it, as etcd ends them.

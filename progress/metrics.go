@@ -63,7 +63,7 @@ func (m *Metrics) bindFollower(f *Follower) {
 	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "etcd_snapcache_upstream_revision_lag",
 		Help: "Revisions between the highest head etcd has reported and the cache's revision.",
-	}, func() float64 { return float64(max(f.upstream.head.Load()-f.store.Rev(), 0)) }))
+	}, func() float64 { return float64(f.RevisionLag()) }))
 }
 
 func (m *Metrics) bindStore(s *revtree.Store) {

@@ -82,12 +82,13 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	gs := grpc.NewServer(opts...)
 
 	conn := s.client.ActiveConnection()
+	s.kvMetrics, s.watchMetrics = kvproxy.NewMetrics(s.registry), watchproxy.NewMetrics(s.registry)
 	s.kv = kvproxy.New(kvproxy.Config{
 		Store:                  s.store,
 		Follower:               s.follower,
 		Upstream:               pb.NewKVClient(conn),
 		Logger:                 s.lg.Named("kv"),
-		Metrics:                kvproxy.NewMetrics(s.registry),
+		Metrics:                s.kvMetrics,
 		RevisionWait:           s.cfg.RevisionWait,
 		FreshnessTimeout:       s.cfg.FreshnessTimeout,
 		ConsistentReadFallback: s.cfg.ConsistentReadFallback,
@@ -106,7 +107,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		Consistency:            s.checker,
 		Gate:                   s.gate,
 		Logger:                 s.lg.Named("watch"),
-		Metrics:                watchproxy.NewMetrics(s.registry),
+		Metrics:                s.watchMetrics,
 	})
 	s.follower.SetBeforeCompact(s.watch.SyncWatchers)
 	pb.RegisterWatchServer(gs, s.watch)

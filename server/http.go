@@ -13,6 +13,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/pkg/v3/debugutil"
 	"go.etcd.io/etcd/server/v3/proxy/grpcproxy"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 )
 
 // Paths of the HTTP endpoints, on the client port and on --metrics-addr.
@@ -21,6 +23,7 @@ const (
 	pathHealth       = "/health"        // the upstream's health (grpc-proxy)
 	pathProxyMetrics = "/proxy/metrics" // the proxy's own metrics (grpc-proxy)
 	pathProxyHealth  = "/proxy/health"  // a Get and a Watch through the proxy (grpc-proxy)
+	pathProxyStatus  = proxystatus.Path // the proxy's status, one JSON document
 	pathLivez        = "/livez"         // Kubernetes-style liveness
 	pathReadyz       = "/readyz"        // Kubernetes-style readiness
 )
@@ -35,13 +38,16 @@ type httpEndpoints struct {
 	upstreamHTTP *http.Client
 	upstreamEPs  []string
 	// self is a client of the proxy's own gRPC API, for /proxy/health.
-	self   *clientv3.Client
+	self *clientv3.Client
+	// status is the proxy's status document, for /proxy/status.
+	status func() proxystatus.Status
 	probes *probes
 }
 
 // newHTTPMux serves grpc-proxy's HTTP endpoints with grpc-proxy's meanings
-// (etcd's own handlers where etcd exports them), Kubernetes-style /livez
-// and /readyz, and /debug/pprof/ when pprof is set.
+// (etcd's own handlers where etcd exports them), the proxy's status
+// document, Kubernetes-style /livez and /readyz, and /debug/pprof/ when
+// pprof is set.
 func newHTTPMux(e httpEndpoints, pprof bool) *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/", http.NotFound)
@@ -49,6 +55,7 @@ func newHTTPMux(e httpEndpoints, pprof bool) *http.ServeMux {
 	grpcproxy.HandleHealth(e.lg, mux, e.upstream)
 	mux.Handle(pathProxyMetrics, promhttp.HandlerFor(e.gatherer, promhttp.HandlerOpts{}))
 	grpcproxy.HandleProxyHealth(e.lg, mux, e.self)
+	mux.Handle(pathProxyStatus, statusHandler(e.status))
 	e.probes.install(mux)
 	if pprof {
 		for p, h := range debugutil.PProfHandlers() {

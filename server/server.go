@@ -27,6 +27,7 @@ import (
 
 	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/tlsmux"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/persist"
@@ -76,6 +77,10 @@ type Server struct {
 	asProxyKeepAlives *keepAlives // certificate callers', checked, as the proxy
 	watch             *watchproxy.Server
 	kv                *kvproxy.Server
+	// kvMetrics and watchMetrics are the KV and Watch services' metrics,
+	// which /proxy/status reads too.
+	kvMetrics    *kvproxy.Metrics
+	watchMetrics *watchproxy.Metrics
 	// clientDone are closed when goroutines of etcd's grpcproxy that live
 	// as long as the upstream client end, after it is closed.
 	clientDone []<-chan struct{}
@@ -201,11 +206,11 @@ func Start(cfg Config) (*Server, error) {
 		Name: "etcd_snapcache_upstream_watch_connected",
 		Help: "1 while the upstream watch that feeds the cache is established.",
 	}, func() float64 { return boolGauge(s.follower.Following()) }))
-	for _, m := range []string{modeCache, modeLoading, modeForwarding, modeFallback} {
+	for _, m := range proxystatus.Modes {
 		s.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name:        "etcd_snapcache_mode",
 			Help:        "1 for what the proxy serves from now: cache (the cache answers for etcd), loading (the cache is being loaded or reloaded), forwarding (the cache is off: the proxy has no identity of its own and etcd has auth enabled, so every request goes to etcd as it came), fallback (the consistency checker found the cache inconsistent: reads and watches go to etcd).",
-			ConstLabels: prometheus.Labels{"mode": m},
+			ConstLabels: prometheus.Labels{"mode": string(m)},
 		}, func() float64 { return boolGauge(s.mode() == m) }))
 	}
 	s.registerStatusMetrics()
@@ -335,6 +340,7 @@ func (s *Server) newHTTPEndpoints() (httpEndpoints, error) {
 		upstreamHTTP: &http.Client{Transport: &http.Transport{TLSClientConfig: tlsCfg}, Timeout: 10 * time.Second},
 		upstreamEPs:  s.client.Endpoints(),
 		self:         s.self,
+		status:       s.status,
 		probes: &probes{
 			livez:  []probeCheck{{name: "ping", check: func() error { return nil }}},
 			readyz: s.readyChecks(),
@@ -402,29 +408,21 @@ func (s *Server) forwardingNote() string {
 	return "the cache is off, every request goes to etcd as it came (as etcd's grpc-proxy sends it): etcd has auth enabled and the proxy has no identity of its own; give it a user with the root role (--user) or a client certificate naming one to turn the cache on"
 }
 
-// mode is what the proxy serves from: "cache" (the cache answers for
-// etcd), "loading" (it is being loaded or reloaded), "forwarding" (it is
-// off: no identity of its own in front of an etcd with auth enabled), or
-// "fallback" (the consistency checker found it inconsistent).
-func (s *Server) mode() string {
+// mode is what the proxy serves from: the cache (it answers for etcd),
+// loading (it is being loaded or reloaded), forwarding (it is off: no
+// identity of its own in front of an etcd with auth enabled), or fallback
+// (the consistency checker found it inconsistent).
+func (s *Server) mode() proxystatus.Mode {
 	switch {
 	case s.gate.Forwarding():
-		return modeForwarding
+		return proxystatus.ModeForwarding
 	case s.checker.Fallback():
-		return modeFallback
+		return proxystatus.ModeFallback
 	case s.follower.Phase() == progress.PhaseServing:
-		return modeCache
+		return proxystatus.ModeCache
 	}
-	return modeLoading
+	return proxystatus.ModeLoading
 }
-
-// The values of mode, and of the mode metric's label.
-const (
-	modeCache      = "cache"
-	modeLoading    = "loading"
-	modeForwarding = "forwarding"
-	modeFallback   = "fallback"
-)
 
 // upstreamLost is the upstream check's verdict: an error once the upstream
 // watch has been down (since down, zero while it is up) for longer than

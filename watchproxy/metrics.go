@@ -1,6 +1,9 @@
 package watchproxy
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+)
 
 // Metrics are the Watch service's Prometheus metrics. A nil *Metrics
 // records nothing.
@@ -58,6 +61,23 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	reg.MustRegister(m.streams, m.watchers, m.eventsSent, m.catchups, m.catchupsRunning, m.catchupRestarts, m.compactedCancels, m.relayedStreams, m.encoded)
 	return m
+}
+
+// Watching is the client watch streams and watchers served from the
+// cache, as the watch_streams and watchers gauges read.
+func (m *Metrics) Watching() (streams, watchers int64) {
+	if m == nil {
+		return 0, 0
+	}
+	return gaugeValue(m.streams), gaugeValue(m.watchers)
+}
+
+func gaugeValue(g prometheus.Gauge) int64 {
+	var d dto.Metric
+	if g.Write(&d) != nil {
+		return 0
+	}
+	return int64(d.GetGauge().GetValue())
 }
 
 func (m *Metrics) streamOpened() {

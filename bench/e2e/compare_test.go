@@ -20,6 +20,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
@@ -211,16 +212,15 @@ func (env *pairEnv) head(b *testing.B) int64 {
 // measured served from the cache).
 func (env *pairEnv) waitProxy(b *testing.B, rev, oldest int64) {
 	b.Helper()
-	var last metricSet
+	var last proxystatus.Status
 	testsupport.Poll(b, 5*time.Minute, 20*time.Millisecond, fmt.Sprintf("the proxy's cache to reach revision %d", rev), func() (bool, error) {
 		if err := env.proxy.alive(); err != nil {
 			b.Fatal(err)
 		}
-		last = env.proxy.metrics(b)
-		at := int64(last.sum("etcd_snapcache_cache_revision"))
-		return at >= rev, fmt.Errorf("at revision %d", at)
+		last = env.proxy.status(b)
+		return last.Revision >= rev, fmt.Errorf("at revision %d", last.Revision)
 	})
-	if o := int64(last.sum("etcd_snapcache_oldest_snapshot_revision")); oldest > 0 && o > oldest {
+	if o := last.OldestRevision; oldest > 0 && o > oldest {
 		b.Fatalf("the proxy's oldest snapshot is at revision %d; revision %d would be read from etcd", o, oldest)
 	}
 }
@@ -235,7 +235,7 @@ type sample struct {
 
 func (env *pairEnv) sample(b *testing.B) sample {
 	b.Helper()
-	em, pm := env.etcd.metrics(b), env.proxy.metrics(b)
+	em, pm, ps := env.etcd.metrics(b), env.proxy.metrics(b), env.proxy.status(b)
 	return sample{
 		etcdCPU:      processCPU(b, env.etcd.pid()),
 		proxyCPU:     processCPU(b, env.proxy.pid()),
@@ -243,8 +243,8 @@ func (env *pairEnv) sample(b *testing.B) sample {
 		etcdMallocs:  em.sum("go_memstats_mallocs_total"),
 		proxyMallocs: pm.sum("go_memstats_mallocs_total"),
 		etcdKV:       em.sum("grpc_server_started_total", `grpc_service="etcdserverpb.KV"`),
-		cached:       pm.sum("etcd_snapcache_range_requests_total", `source="cache"`),
-		forwarded:    pm.sum("etcd_snapcache_range_requests_total", `source="forwarded"`),
+		cached:       float64(ps.Requests(proxystatus.SourceCache)),
+		forwarded:    float64(ps.Requests(proxystatus.SourceForwarded)),
 	}
 }
 

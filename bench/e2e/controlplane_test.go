@@ -375,7 +375,7 @@ func (cp *controlPlane) waitProxies(b *testing.B, rev int64) {
 			if err := p.alive(); err != nil {
 				b.Fatal(err)
 			}
-			at := int64(p.metrics(b).sum("etcd_snapcache_cache_revision"))
+			at := p.status(b).Revision
 			return at >= rev, fmt.Errorf("at revision %d", at)
 		})
 	}

@@ -15,6 +15,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 )
 
 // cpPhase is one phase of one side's pass, and what was measured in it.
@@ -149,8 +151,8 @@ func (cp *controlPlane) proxiesRanges(b *testing.B) (cached, forwarded float64) 
 // ranges is the Ranges the proxy process answered from its cache and
 // forwarded since it started.
 func (p *proxyProcess) ranges(b *testing.B) (cached, forwarded float64) {
-	m := p.metrics(b)
-	return m.sum("etcd_snapcache_range_requests_total", `source="cache"`), m.sum("etcd_snapcache_range_requests_total", `source="forwarded"`)
+	st := p.status(b)
+	return float64(st.Requests(proxystatus.SourceCache)), float64(st.Requests(proxystatus.SourceForwarded))
 }
 
 // counters is a set of counters by key, that phases add and subtract.

@@ -17,7 +17,7 @@
 // Each benchmark starts a fresh etcd (data in a temporary directory,
 // --unsafe-no-fsync) and a proxy in front of it before writing its data,
 // so that the proxy holds every revision read in memory, waits until the
-// proxy's cache has applied the data (etcd_snapcache_cache_revision) and,
+// proxy's cache has applied the data (its /proxy/status's revision) and,
 // for the Range workloads, checks that both sides return the same keys.
 // Then one warm-up round per side (not reported), and -snapcache.e2e.rounds
 // measured rounds per side, alternating: etcd,proxy, proxy,etcd, ... on the
@@ -44,7 +44,7 @@
 //     and after each round;
 //   - the KV requests etcd received per op (through the proxy: its read
 //     fences and forwarded reads), and the share of the proxy's Ranges it
-//     served from its cache.
+//     served from its cache (its /proxy/status's range_requests).
 //
 // A run's ns/op is hidden: a run is fixed rounds, not b.N ops; read ops/s.
 // The rounds do not depend on -benchtime: with `-benchtime 1x` (or any

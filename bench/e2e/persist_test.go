@@ -13,6 +13,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 	"github.com/etcd-snapcache/etcd-snapcache/server/servertest"
 )
@@ -179,7 +180,7 @@ func waitFollowed(b *testing.B, sides []*persistSide, rev int64) {
 			if err := s.p.alive(); err != nil {
 				b.Fatal(err)
 			}
-			at := int64(s.p.metrics(b).sum("etcd_snapcache_cache_revision"))
+			at := s.p.status(b).Revision
 			return at >= rev, fmt.Errorf("at revision %d", at)
 		})
 		if s.name == "on" {
@@ -371,7 +372,7 @@ func readRound(b *testing.B, w *writer, ks keyspace, keys [][]byte, s *persistSi
 			<-tr.done
 		}
 	}()
-	ms0 := s.p.metrics(b)
+	st0 := s.p.status(b)
 	cpu0 := processCPU(b, s.p.pid())
 	begin := time.Now()
 
@@ -402,7 +403,7 @@ func readRound(b *testing.B, w *writer, ks keyspace, keys [][]byte, s *persistSi
 	wg.Wait()
 	secs := time.Since(begin).Seconds()
 	cpu := processCPU(b, s.p.pid()) - cpu0
-	ms1 := s.p.metrics(b)
+	st1 := s.p.status(b)
 	stopped = true
 	rate := tr.end(b)
 	if firstErr != nil {
@@ -411,8 +412,8 @@ func readRound(b *testing.B, w *writer, ks keyspace, keys [][]byte, s *persistSi
 	if !measured {
 		return
 	}
-	cached := ms1.sum("etcd_snapcache_range_requests_total", `source="cache"`) - ms0.sum("etcd_snapcache_range_requests_total", `source="cache"`)
-	forwarded := ms1.sum("etcd_snapcache_range_requests_total", `source="forwarded"`) - ms0.sum("etcd_snapcache_range_requests_total", `source="forwarded"`)
+	cached := float64(st1.Requests(proxystatus.SourceCache) - st0.Requests(proxystatus.SourceCache))
+	forwarded := float64(st1.Requests(proxystatus.SourceForwarded) - st0.Requests(proxystatus.SourceForwarded))
 	s.readOps = append(s.readOps, float64(n)/secs)
 	s.readCPU = append(s.readCPU, cpu.Seconds()/(float64(n)/10_000))
 	s.readCached = append(s.readCached, cached/max(cached+forwarded, 1))

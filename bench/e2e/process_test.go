@@ -3,6 +3,7 @@ package e2e
 import (
 	"bufio"
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -15,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
@@ -218,10 +220,27 @@ func adopt(tb testing.TB, from *child, pid int) *child {
 }
 
 // metrics scrapes the proxy's own metrics (/proxy/metrics: its /metrics
-// relays etcd's, as grpc-proxy's does).
+// relays etcd's, as grpc-proxy's does), for what its status does not say:
+// the runtime's, the copy on disk's, the memory limit.
 func (p *proxyProcess) metrics(tb testing.TB) metricSet {
 	tb.Helper()
 	return scrape(tb, p.metricsURL+"/proxy/metrics")
+}
+
+// status reads the proxy's status document (/proxy/status): its cache's
+// revisions and the Range requests it counted, which a scrape of its
+// metrics would cost it more CPU to say.
+func (p *proxyProcess) status(tb testing.TB) proxystatus.Status {
+	tb.Helper()
+	body, err := httpGet(p.metricsURL + proxystatus.Path)
+	if err != nil {
+		tb.Fatalf("reading the proxy's status: %v", err)
+	}
+	var st proxystatus.Status
+	if err := json.Unmarshal(body, &st); err != nil {
+		tb.Fatalf("reading the proxy's status: %s: %v", proxystatus.Path, err)
+	}
+	return st
 }
 
 // metrics scrapes etcd's /metrics, which it serves on its client URL.

@@ -1,14 +1,11 @@
 package main
 
 import (
-	"bufio"
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"math"
 	"net"
 	"net/http"
 	"net/url"
@@ -19,13 +16,11 @@ import (
 	"time"
 	"unicode/utf8"
 
-	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 	"github.com/urfave/cli/v2"
 
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
 
@@ -33,8 +28,8 @@ func statusCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "status",
 		Usage: "print the status of running proxies, as `etcdctl endpoint status` prints etcd members'",
-		Description: "status reads each proxy's own HTTP endpoints, /proxy/metrics and /readyz?verbose, on its\n" +
-			"client port or on its --metrics-addr, and prints, one proxy a row: the upstream etcd and its\n" +
+		Description: "status reads each proxy's own status document, /proxy/status, on its client port or on\n" +
+			"its --metrics-addr, and prints, one proxy a row: the upstream etcd and its\n" +
 			"release; the cache's revision, its lag behind etcd, etcd's compaction revision, the oldest\n" +
 			"retained revision and how many are retained; history memory against --max-history-bytes;\n" +
 			"the share of Range requests served from the cache since the proxy started, and every\n" +
@@ -119,25 +114,14 @@ type proxyStatus struct {
 	StartTime *time.Time `json:"start_time,omitempty"`
 }
 
-type readyCheck struct {
-	Name   string `json:"name"`
-	Reason string `json:"reason"`
-}
+// readyCheck is a failing readiness check, as /proxy/status gives it.
+type readyCheck = proxystatus.Check
 
 type readReason struct {
 	Source string  `json:"source"` // cache, forwarded, rejected
 	Reason string  `json:"reason"`
 	Count  int64   `json:"count"`
 	Ratio  float64 `json:"ratio"`
-}
-
-// The modes as status names them, from etcd_snapcache_mode's label, and
-// why for those that are not the cache's.
-var modeNames = map[string]struct{ name, reason string }{
-	"cache":      {"serving", ""},
-	"loading":    {"loading", ""},
-	"forwarding": {"forwarding", "etcd auth on, the proxy has no identity of its own"},
-	"fallback":   {"fallback", "consistency check failed"},
 }
 
 func status(c *cli.Context) error {
@@ -172,7 +156,7 @@ func status(c *cli.Context) error {
 		DialContext:         (&net.Dialer{Timeout: c.Duration("dial-timeout")}).DialContext,
 		TLSClientConfig:     tlsCfg,
 		TLSHandshakeTimeout: c.Duration("dial-timeout"),
-		DisableKeepAlives:   true, // two requests an endpoint: nothing left open after
+		DisableKeepAlives:   true, // one request an endpoint: nothing left open after
 	}
 	defer tr.CloseIdleConnections()
 	hc := &http.Client{Transport: tr}
@@ -242,198 +226,75 @@ func statusURL(ep string, secure bool) (string, error) {
 	return strings.TrimSuffix(u.String(), "/"), nil
 }
 
-// fetchStatus reads one proxy's /proxy/metrics and /readyz?verbose.
+// fetchStatus reads one proxy's /proxy/status.
 func fetchStatus(ctx context.Context, hc *http.Client, base string) (proxyStatus, error) {
-	var (
-		families    map[string]*dto.MetricFamily
-		ready       bool
-		failing     []readyCheck
-		mErr, rdErr error
-		wg          sync.WaitGroup
-	)
-	wg.Go(func() { families, mErr = fetchMetrics(ctx, hc, base, "/proxy/metrics") })
-	wg.Go(func() { ready, failing, rdErr = fetchReadyz(ctx, hc, base, "/readyz?verbose") })
-	wg.Wait()
-	// Both fail alike when the endpoint does not answer: one is enough.
-	if err := cmp.Or(mErr, rdErr); err != nil {
+	const path = proxystatus.Path
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+path, nil)
+	if err != nil {
 		return proxyStatus{}, err
 	}
-	st, err := statusFromMetrics(metrics(families))
-	if err != nil {
-		return proxyStatus{}, fmt.Errorf("/proxy/metrics: %w", err)
-	}
-	st.Ready, st.FailingChecks = ready, failing
-	return st, nil
-}
-
-func get(ctx context.Context, hc *http.Client, u string) (*http.Response, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
-	if err != nil {
-		return nil, err
-	}
-	req.Header.Set("Accept", "text/plain")
+	req.Header.Set("Accept", "application/json")
 	resp, err := hc.Do(req)
 	// The endpoint is in the row already: the error alone, without the
 	// method and URL that a *url.Error repeats.
 	if ue, ok := errors.AsType[*url.Error](err); ok {
-		err = fmt.Errorf("GET %s: %w", req.URL.RequestURI(), ue.Err)
+		return proxyStatus{}, fmt.Errorf("GET %s: %w", path, ue.Err)
 	}
-	return resp, err
-}
-
-func fetchMetrics(ctx context.Context, hc *http.Client, base, path string) (map[string]*dto.MetricFamily, error) {
-	resp, err := get(ctx, hc, base+path)
 	if err != nil {
-		return nil, err
+		return proxyStatus{}, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("GET %s: %s (not an etcd-snapcache endpoint?)", path, resp.Status)
+		return proxyStatus{}, fmt.Errorf("GET %s: %s (not an etcd-snapcache endpoint, or one older than this command?)", path, resp.Status)
 	}
-	p := expfmt.NewTextParser(model.UTF8Validation)
-	families, err := p.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		return nil, fmt.Errorf("GET %s: %w", path, err)
+	var doc proxystatus.Status
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&doc); err != nil {
+		return proxyStatus{}, fmt.Errorf("GET %s: %w", path, err)
 	}
-	return families, nil
+	if doc.Mode == "" {
+		return proxyStatus{}, fmt.Errorf("GET %s: no mode: not an etcd-snapcache endpoint", path)
+	}
+	return statusOf(doc), nil
 }
 
-// fetchReadyz reads /readyz?verbose: 200 ready, 503 not, with a line
-// "[-]NAME failed: REASON" for each failing check.
-func fetchReadyz(ctx context.Context, hc *http.Client, base, path string) (bool, []readyCheck, error) {
-	resp, err := get(ctx, hc, base+path)
-	if err != nil {
-		return false, nil, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK && resp.StatusCode != http.StatusServiceUnavailable {
-		return false, nil, fmt.Errorf("GET %s: %s", path, resp.Status)
-	}
-	failing := []readyCheck{}
-	sc := bufio.NewScanner(io.LimitReader(resp.Body, 1<<20))
-	for sc.Scan() {
-		line, ok := strings.CutPrefix(sc.Text(), "[-]")
-		if !ok {
-			continue
-		}
-		name, reason, _ := strings.Cut(line, " failed: ")
-		failing = append(failing, readyCheck{Name: name, Reason: reason})
-	}
-	if err := sc.Err(); err != nil {
-		return false, nil, fmt.Errorf("GET %s: %w", path, err)
-	}
-	return resp.StatusCode == http.StatusOK, failing, nil
-}
-
-// metrics are the families of one scrape, by name.
-type metrics map[string]*dto.MetricFamily
-
-// value is the value of name's series whose labels include labels, and
-// whether there is one.
-func (m metrics) value(name string, labels ...string) (float64, bool) {
-	for _, s := range m.series(name) {
-		if hasLabels(s, labels...) {
-			return sampleValue(s), true
-		}
-	}
-	return 0, false
-}
-
-func (m metrics) int(name string) int64 {
-	v, _ := m.value(name)
-	return int64(v)
-}
-
-func (m metrics) series(name string) []*dto.Metric {
-	if f := m[name]; f != nil {
-		return f.GetMetric()
-	}
-	return nil
-}
-
-func hasLabels(s *dto.Metric, kv ...string) bool {
-	for i := 0; i+1 < len(kv); i += 2 {
-		if label(s, kv[i]) != kv[i+1] {
-			return false
-		}
-	}
-	return true
-}
-
-func label(s *dto.Metric, name string) string {
-	for _, l := range s.GetLabel() {
-		if l.GetName() == name {
-			return l.GetValue()
-		}
-	}
-	return ""
-}
-
-func sampleValue(s *dto.Metric) float64 {
-	switch {
-	case s.Gauge != nil:
-		return s.Gauge.GetValue()
-	case s.Counter != nil:
-		return s.Counter.GetValue()
-	case s.Untyped != nil:
-		return s.Untyped.GetValue()
-	}
-	return math.NaN()
-}
-
-// statusFromMetrics reads a proxy's status from its metrics.
-func statusFromMetrics(m metrics) (proxyStatus, error) {
-	var st proxyStatus
-	for _, s := range m.series("etcd_snapcache_mode") {
-		if sampleValue(s) == 1 {
-			n, ok := modeNames[label(s, "mode")]
-			if !ok {
-				n.name = label(s, "mode")
-			}
-			st.Mode, st.ModeReason = n.name, n.reason
-		}
-	}
-	if st.Mode == "" {
-		return st, errors.New("no etcd_snapcache_mode: not an etcd-snapcache endpoint, or one older than this command")
-	}
-	if s := m.series("etcd_snapcache_upstream_info"); len(s) > 0 {
-		if eps := label(s[0], "endpoints"); eps != "" {
-			st.UpstreamEndpoints = strings.Split(eps, ",")
-		}
-		st.UpstreamVersion = label(s[0], "version")
-		st.UpstreamClusterID = label(s[0], "cluster_id")
+// statusOf is a proxy's row of status, from its status document.
+func statusOf(doc proxystatus.Status) proxyStatus {
+	st := proxyStatus{
+		UpstreamEndpoints:      doc.UpstreamEndpoints,
+		UpstreamVersion:        doc.UpstreamVersion,
+		UpstreamClusterID:      doc.UpstreamClusterID,
+		UpstreamWatchConnected: doc.UpstreamWatchConnected,
+		Mode:                   doc.Mode.Shown(),
+		ModeReason:             doc.Mode.Reason(),
+		Ready:                  doc.Ready,
+		FailingChecks:          doc.FailingChecks,
+		Revision:               doc.Revision,
+		RevisionLag:            doc.RevisionLag,
+		CompactRevision:        doc.CompactRevision,
+		OldestRevision:         doc.OldestRevision,
+		RetainedRevisions:      doc.RetainedRevisions,
+		HistoryBytes:           doc.HistoryBytes,
+		MaxHistoryBytes:        doc.MaxHistoryBytes,
+		ReadsByReason:          []readReason{},
+		Watchers:               doc.Watchers,
+		WatchStreams:           doc.WatchStreams,
+		StartTime:              doc.StartTime,
 	}
 	if st.UpstreamEndpoints == nil {
 		st.UpstreamEndpoints = []string{}
 	}
-	connected, _ := m.value("etcd_snapcache_upstream_watch_connected")
-	st.UpstreamWatchConnected = connected == 1
-	st.Revision = m.int("etcd_snapcache_cache_revision")
-	st.RevisionLag = m.int("etcd_snapcache_upstream_revision_lag")
-	st.CompactRevision = m.int("etcd_snapcache_compact_revision")
-	st.OldestRevision = m.int("etcd_snapcache_oldest_snapshot_revision")
-	st.RetainedRevisions = m.int("etcd_snapcache_snapshots_retained")
-	st.HistoryBytes = m.int("etcd_snapcache_history_bytes")
-	st.MaxHistoryBytes = m.int("etcd_snapcache_max_history_bytes")
-	st.Watchers = m.int("etcd_snapcache_watchers")
-	st.WatchStreams = m.int("etcd_snapcache_watch_streams")
-	if v, ok := m.value("process_start_time_seconds"); ok && v > 0 {
-		t := time.UnixMilli(int64(math.Round(v * 1000))).UTC()
-		st.StartTime = &t
+	if st.FailingChecks == nil {
+		st.FailingChecks = []readyCheck{}
 	}
-
-	st.ReadsByReason = []readReason{}
 	var hits int64
-	for _, s := range m.series("etcd_snapcache_range_requests_total") {
-		n := int64(sampleValue(s))
-		if n <= 0 {
+	for _, r := range doc.RangeRequests {
+		if r.Count <= 0 {
 			continue
 		}
-		r := readReason{Source: label(s, "source"), Reason: label(s, "reason"), Count: n}
-		st.ReadsByReason = append(st.ReadsByReason, r)
-		st.Reads += n
-		if r.Source == "cache" {
-			hits += n
+		st.ReadsByReason = append(st.ReadsByReason, readReason{Source: string(r.Source), Reason: r.Reason, Count: r.Count})
+		st.Reads += r.Count
+		if r.Source == proxystatus.SourceCache {
+			hits += r.Count
 		}
 	}
 	if st.Reads > 0 {
@@ -448,7 +309,7 @@ func statusFromMetrics(m metrics) (proxyStatus, error) {
 		}
 		return strings.Compare(a.Source+"/"+a.Reason, b.Source+"/"+b.Reason)
 	})
-	return st, nil
+	return st
 }
 
 var statusHeader = []string{
