@@ -189,13 +189,11 @@ type Config struct {
 	// follow etcd's own interval.
 	WatchProgressNotifyInterval time.Duration
 	// MemoryLimit is the Go runtime's soft memory limit (--memory-limit):
-	// a byte count; MemoryLimitAuto, which follows the cache's live
-	// estimate within the cgroup's memory limit (server/memlimit.go);
-	// MemoryLimitCgroup, the cgroup's share alone; or 0: none, the
-	// runtime's default pacing. GOMEMLIMIT in the environment wins over
-	// it. The limit is the process's: of the servers of one process, the
-	// first to start sets it, until it stops.
-	MemoryLimit int64
+	// none, fixed, automatic (following the cache) or the cgroup's share
+	// (MemoryLimitMode). GOMEMLIMIT in the environment wins over it. The
+	// limit is the process's: of the servers of one process, the first to
+	// start sets it, until it stops.
+	MemoryLimit MemoryLimit
 
 	// Logger logs the server's work; nil: nothing is logged.
 	Logger *zap.Logger
@@ -244,7 +242,7 @@ func DefaultConfig() Config {
 		CompactionProbeInterval:  progress.DefaultCompactionProbeInterval,
 		LoadPageSize:             progress.DefaultLoadPageSize,
 		MaxRequestBytes:          1.5 * 1024 * 1024, // etcd's
-		MemoryLimit:              MemoryLimitAuto,
+		MemoryLimit:              MemoryLimit{Mode: MemoryLimitAuto},
 		EnableGRPCGateway:        true,
 	}
 }
@@ -277,8 +275,9 @@ func (cfg *Config) Validate() error {
 		return fmt.Errorf("--load-page-size %d: want at least 1", cfg.LoadPageSize)
 	case cfg.MaxRequestBytes < 1:
 		return fmt.Errorf("--max-request-bytes %d: want at least 1", cfg.MaxRequestBytes)
-	case cfg.MemoryLimit < MemoryLimitCgroup:
-		return fmt.Errorf("--memory-limit %d: want a byte count, auto, or 0 for none", cfg.MemoryLimit)
+	case cfg.MemoryLimit.Mode < MemoryLimitNone || cfg.MemoryLimit.Mode > MemoryLimitCgroup,
+		cfg.MemoryLimit.Mode == MemoryLimitFixed && cfg.MemoryLimit.Bytes <= 0:
+		return fmt.Errorf("--memory-limit %v: want a byte count, auto, or 0 for none", cfg.MemoryLimit)
 	}
 	for _, d := range []struct {
 		flag string

@@ -180,10 +180,10 @@ func serve(c *cli.Context) error {
 	}
 
 	embedded := len(cfg.Endpoints) == 0
-	if embedded && cfg.MemoryLimit == server.MemoryLimitAuto {
+	if embedded && cfg.MemoryLimit.Mode == server.MemoryLimitAuto {
 		// The embedded etcd's heap is the process's too: the cache's
 		// estimate does not cover it.
-		cfg.MemoryLimit = server.MemoryLimitCgroup
+		cfg.MemoryLimit = server.MemoryLimit{Mode: server.MemoryLimitCgroup}
 	}
 	if embedded {
 		e, err := startEmbedded(lg, server.EmbeddedConfig{
@@ -408,15 +408,15 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 }
 
 // memoryLimit parses --memory-limit: "auto", 0 (none), or a byte size.
-func memoryLimit(v string) (int64, error) {
+func memoryLimit(v string) (server.MemoryLimit, error) {
 	if strings.EqualFold(strings.TrimSpace(v), "auto") {
-		return server.MemoryLimitAuto, nil
+		return server.MemoryLimit{Mode: server.MemoryLimitAuto}, nil
 	}
 	n, err := memlimit.ParseSize(v)
 	if err != nil {
-		return 0, fmt.Errorf("--memory-limit: %w (or auto, or 0 for none)", err)
+		return server.MemoryLimit{}, fmt.Errorf("--memory-limit: %w (or auto, or 0 for none)", err)
 	}
-	return n, nil
+	return server.FixedMemoryLimit(n), nil
 }
 
 // progressOverride is the periodic progress interval when the flag is

@@ -49,7 +49,7 @@ func Config(endpoint string, edit func(cfg *server.Config)) server.Config {
 	// The memory limit is the process's, and a test's heap holds more
 	// than one proxy's store (an embedded etcd, other proxies): the
 	// runtime's default pacing, unless the test sets one.
-	cfg.MemoryLimit = 0
+	cfg.MemoryLimit = server.MemoryLimit{Mode: server.MemoryLimitNone}
 	if edit != nil {
 		edit(&cfg)
 	}
