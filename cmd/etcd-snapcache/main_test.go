@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -185,6 +186,28 @@ func TestServeMemoryLimit(t *testing.T) {
 		}
 		if cfg.MemoryLimit != tc.want {
 			t.Errorf("%v: MemoryLimit %v, want %v", tc.args, cfg.MemoryLimit, tc.want)
+		}
+	}
+}
+
+// TestServeDefaultsAreDefaultConfig: `serve` with only --endpoints is
+// server.DefaultConfig, field for field: every flag takes its default from
+// it, and no default lives in a flag alone.
+func TestServeDefaultsAreDefaultConfig(t *testing.T) {
+	cfg, err := parseServe(t, "--endpoints", "http://127.0.0.1:2379")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := server.DefaultConfig()
+	want.Endpoints = []string{"http://127.0.0.1:2379"}
+	cfg.Logger = nil
+	if len(cfg.AdvertiseClientURLs) == 0 {
+		cfg.AdvertiseClientURLs = nil // the flag's empty list: the default
+	}
+	got, wantV := reflect.ValueOf(cfg), reflect.ValueOf(want)
+	for i := range got.NumField() {
+		if !reflect.DeepEqual(got.Field(i).Interface(), wantV.Field(i).Interface()) {
+			t.Errorf("serve's %s is %#v, DefaultConfig's %#v", got.Type().Field(i).Name, got.Field(i).Interface(), wantV.Field(i).Interface())
 		}
 	}
 }
