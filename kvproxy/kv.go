@@ -17,7 +17,6 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
-	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
@@ -146,8 +145,8 @@ type Config struct {
 	// consistency checker found the store inconsistent.
 	Inconsistent func() bool
 	// Gate is the auth gate (gate.Gate): etcd's permission check of each
-	// read, and whether the cache is off. nil: gate.Unchecked, a proxy in
-	// front of an etcd without auth.
+	// read, and whether the cache is off; gate.Unchecked in front of an
+	// etcd without auth. Required.
 	Gate Gate
 }
 
@@ -197,7 +196,7 @@ func New(cfg Config) *Server {
 		cfg.Inconsistent = func() bool { return false }
 	}
 	if cfg.Gate == nil {
-		cfg.Gate = gate.Unchecked{}
+		panic("kvproxy: no Gate (gate.Unchecked is the gate of an etcd without auth)")
 	}
 	return &Server{
 		store:        cfg.Store,

@@ -222,6 +222,7 @@ func newRouteEnv(t *testing.T) *routeEnv {
 		FreshnessTimeout:   DefaultFreshnessTimeout,
 		MaxForwardedReads:  DefaultMaxForwardedReads,
 		MaxCachedReadBytes: DefaultMaxCachedReadBytes,
+		Gate:               gate.Unchecked{},
 	}
 	return e
 }

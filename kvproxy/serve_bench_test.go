@@ -30,6 +30,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 
+	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
@@ -150,6 +151,7 @@ func newServeBenchEnv(b *testing.B, keys, valueSize, updates int, written, churn
 		FreshnessTimeout:   DefaultFreshnessTimeout,
 		MaxForwardedReads:  DefaultMaxForwardedReads,
 		MaxCachedReadBytes: DefaultMaxCachedReadBytes,
+		Gate:               gate.Unchecked{},
 	})
 	gs := grpc.NewServer(wirecodec.ServerOption())
 	Register(gs, srv)

@@ -1,9 +1,11 @@
 package server
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"math"
+	"path/filepath"
 	"time"
 
 	"go.uber.org/zap"
@@ -14,8 +16,10 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
+	"github.com/etcd-snapcache/etcd-snapcache/persist"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
+	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
 )
 
 // Limits of etcd's gRPC server that are not configurable
@@ -173,9 +177,9 @@ type Config struct {
 	// LoadRetainedHistory replays etcd's retained history at start.
 	LoadRetainedHistory bool
 	// PersistDir, if set, is where the cache keeps its copy on disk
-	// (package persist): a restart starts warm from it. PersistInterval
-	// is how often the copy is brought up to date (persist.DefaultInterval
-	// if 0).
+	// (package persist; --persist-cache: <DataDir>/snapcache): a restart
+	// starts warm from it. PersistInterval is how often the copy is
+	// brought up to date (more than 0).
 	PersistDir      string
 	PersistInterval time.Duration
 	// LoadPageSize is the page size of the initial load (at least 1).
@@ -184,29 +188,41 @@ type Config struct {
 	// largest request accepted (plus gRPC overhead, as etcd) and the size
 	// at which fragmenting watchers' responses are split (at least 1).
 	MaxRequestBytes int
-	// WatchProgressNotifyInterval, if set, is the interval of periodic
-	// progress notifications to idle progress_notify watchers; 0: they
-	// follow etcd's own interval.
+	// WatchProgressNotifyInterval is the interval of periodic progress
+	// notifications to idle progress_notify watchers (more than 0). With
+	// FollowEtcdProgressInterval (the default, the flag not given) they
+	// follow etcd's own interval, learned from an idle upstream watch, and
+	// this one is only the fallback while etcd sends none.
 	WatchProgressNotifyInterval time.Duration
+	FollowEtcdProgressInterval  bool
 	// MemoryLimit is the Go runtime's soft memory limit (--memory-limit):
-	// a byte count; MemoryLimitAuto, which follows the cache's live
-	// estimate within the cgroup's memory limit (server/memlimit.go);
-	// MemoryLimitCgroup, the cgroup's share alone; or 0: none, the
-	// runtime's default pacing. GOMEMLIMIT in the environment wins over
-	// it. The limit is the process's: of the servers of one process, the
-	// first to start sets it, until it stops.
-	MemoryLimit int64
+	// none, fixed, automatic (following the cache) or the cgroup's share
+	// (MemoryLimitMode). GOMEMLIMIT in the environment wins over it. The
+	// limit is the process's: of the servers of one process, the first to
+	// start sets it, until it stops.
+	MemoryLimit MemoryLimit
 
 	// Logger logs the server's work; nil: nothing is logged.
 	Logger *zap.Logger
 }
+
+// DefaultDataDir is --data-dir's default: with --endpoints, where the
+// copy on disk (PersistSubdir) and --auto-tls's certificates are kept;
+// without, the embedded etcd's data.
+const DefaultDataDir = ".snapcache/etcd"
+
+// PersistSubdir is where, under DataDir, --persist-cache keeps the copy on
+// disk.
+const PersistSubdir = "snapcache"
 
 // DefaultConfig returns the configuration of `etcd-snapcache serve` with
 // no flags but --endpoints: every default, in one place, as etcd's
 // embed.NewConfig. The flags take their defaults from it.
 func DefaultConfig() Config {
 	return Config{
-		ListenAddr:             "127.0.0.1:23790",
+		ListenAddr: "127.0.0.1:23790",
+		// etcd's --tls-min-version default.
+		ServerTLS:              transport.TLSInfo{MinVersion: tls.VersionTLS12},
 		SelfSignedCertValidity: 1,
 		AuthToken:              "simple",
 		AuthTokenCheckInterval: gate.DefaultTokenCheckInterval,
@@ -244,8 +260,14 @@ func DefaultConfig() Config {
 		CompactionProbeInterval:  progress.DefaultCompactionProbeInterval,
 		LoadPageSize:             progress.DefaultLoadPageSize,
 		MaxRequestBytes:          1.5 * 1024 * 1024, // etcd's
-		MemoryLimit:              MemoryLimitAuto,
+		MemoryLimit:              MemoryLimit{Mode: MemoryLimitAuto},
 		EnableGRPCGateway:        true,
+		DataDir:                  DefaultDataDir,
+		PersistDir:               filepath.Join(DefaultDataDir, PersistSubdir),
+		PersistInterval:          persist.DefaultInterval,
+		// etcd's own, and this etcd's default while it sends none.
+		WatchProgressNotifyInterval: watchproxy.DefaultProgressNotifyInterval,
+		FollowEtcdProgressInterval:  true,
 	}
 }
 
@@ -277,8 +299,13 @@ func (cfg *Config) Validate() error {
 		return fmt.Errorf("--load-page-size %d: want at least 1", cfg.LoadPageSize)
 	case cfg.MaxRequestBytes < 1:
 		return fmt.Errorf("--max-request-bytes %d: want at least 1", cfg.MaxRequestBytes)
-	case cfg.MemoryLimit < MemoryLimitCgroup:
-		return fmt.Errorf("--memory-limit %d: want a byte count, auto, or 0 for none", cfg.MemoryLimit)
+	case cfg.WatchProgressNotifyInterval <= 0:
+		return fmt.Errorf("--watch-progress-notify-interval %v: want more than 0 (not given: etcd's own)", cfg.WatchProgressNotifyInterval)
+	case cfg.PersistDir != "" && cfg.PersistInterval <= 0:
+		return fmt.Errorf("--persist-interval %v: want more than 0", cfg.PersistInterval)
+	case cfg.MemoryLimit.Mode < MemoryLimitNone || cfg.MemoryLimit.Mode > MemoryLimitCgroup,
+		cfg.MemoryLimit.Mode == MemoryLimitFixed && cfg.MemoryLimit.Bytes <= 0:
+		return fmt.Errorf("--memory-limit %v: want a byte count, auto, or 0 for none", cfg.MemoryLimit)
 	}
 	for _, d := range []struct {
 		flag string
@@ -295,7 +322,6 @@ func (cfg *Config) Validate() error {
 		{"revision-wait", cfg.RevisionWait},
 		{"consistent-read-timeout", cfg.FreshnessTimeout},
 		{"consistency-check-interval", cfg.ConsistencyCheckInterval},
-		{"watch-progress-notify-interval", cfg.WatchProgressNotifyInterval},
 		{"upstream-lost-threshold", cfg.UpstreamLostThreshold},
 	} {
 		if d.d < 0 {

@@ -103,6 +103,7 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 		Follower:               s.follower,
 		Upstream:               pb.NewWatchClient(conn),
 		ProgressNotifyInterval: s.cfg.WatchProgressNotifyInterval,
+		FollowEtcdProgress:     s.cfg.FollowEtcdProgressInterval,
 		FragmentBytes:          s.cfg.MaxRequestBytes + grpcOverheadBytes,
 		Consistency:            s.checker,
 		Gate:                   s.gate,

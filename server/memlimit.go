@@ -2,10 +2,8 @@ package server
 
 import (
 	"context"
-	"math"
+	"fmt"
 	"os"
-	"runtime/debug"
-	"runtime/metrics"
 	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -14,19 +12,56 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
 )
 
-// The values of Config.MemoryLimit that are not byte counts.
+// MemoryLimitMode is how Config.MemoryLimit sets the Go runtime's soft
+// memory limit.
+type MemoryLimitMode int
+
 const (
+	// MemoryLimitNone leaves the runtime's default pacing
+	// (--memory-limit=0), which lets the heap grow to twice the live data.
+	MemoryLimitNone MemoryLimitMode = iota
+	// MemoryLimitFixed is MemoryLimit.Bytes (--memory-limit=3GiB).
+	MemoryLimitFixed
 	// MemoryLimitAuto follows the store's estimate of its memory
 	// (Store.ApproxBytes: the live keyspace and retained history, and a
 	// load in progress) and the cached responses in flight, with the
-	// headroom of package memlimit, within
-	// 90% of the cgroup's memory limit: --memory-limit=auto.
-	MemoryLimitAuto int64 = -1
+	// headroom of package memlimit, within 90% of the cgroup's memory
+	// limit: --memory-limit=auto.
+	MemoryLimitAuto
 	// MemoryLimitCgroup is 90% of the cgroup's memory limit alone (none
 	// without one), for a process whose heap holds more than the store
 	// (an embedded etcd).
-	MemoryLimitCgroup int64 = -2
+	MemoryLimitCgroup
 )
+
+// MemoryLimit is the Go runtime's soft memory limit a server sets.
+type MemoryLimit struct {
+	Mode  MemoryLimitMode
+	Bytes int64 // with MemoryLimitFixed: more than 0
+}
+
+// FixedMemoryLimit is a limit of n bytes; 0 is none, as --memory-limit=0.
+func FixedMemoryLimit(n int64) MemoryLimit {
+	if n == 0 {
+		return MemoryLimit{Mode: MemoryLimitNone}
+	}
+	return MemoryLimit{Mode: MemoryLimitFixed, Bytes: n}
+}
+
+// String is the limit as --memory-limit writes it.
+func (l MemoryLimit) String() string {
+	switch l.Mode {
+	case MemoryLimitNone:
+		return "0"
+	case MemoryLimitFixed:
+		return memlimit.FormatSize(l.Bytes)
+	case MemoryLimitAuto:
+		return "auto"
+	case MemoryLimitCgroup:
+		return "cgroup"
+	}
+	return fmt.Sprintf("MemoryLimitMode(%d)", int(l.Mode))
+}
 
 // liveEstimate is the heap an automatic limit follows: the store's (its
 // live keyspace, retained history and a load in progress) and the
@@ -51,21 +86,6 @@ func (s *Server) liveEstimate() int64 {
 	return max(n, s.heapLive())
 }
 
-// runtimeHeapLive is the heap the Go runtime's last collection marked live
-// (the runtime/metrics sample /gc/heap/live:bytes); 0 before the first.
-func runtimeHeapLive() int64 {
-	sample := []metrics.Sample{{Name: "/gc/heap/live:bytes"}}
-	metrics.Read(sample)
-	if sample[0].Value.Kind() != metrics.KindUint64 {
-		return 0
-	}
-	return int64(sample[0].Value.Uint64())
-}
-
-// memoryLimitOwned is set while a server of this process manages the Go
-// runtime's memory limit, which is the process's.
-var memoryLimitOwned atomic.Bool
-
 // startMemoryLimit registers etcd_snapcache_memory_limit_bytes and sets
 // the Go runtime's soft memory limit as Config.MemoryLimit says, unless
 // GOMEMLIMIT is set (the runtime has applied it) or another server of the
@@ -76,12 +96,7 @@ func (s *Server) startMemoryLimit(ctx context.Context) {
 	s.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "etcd_snapcache_memory_limit_bytes",
 		Help: "The Go runtime's soft memory limit (--memory-limit, or GOMEMLIMIT); 0: none.",
-	}, func() float64 {
-		if l := debug.SetMemoryLimit(-1); l != math.MaxInt64 {
-			return float64(l)
-		}
-		return 0
-	}))
+	}, func() float64 { return float64(memlimit.RuntimeLimit()) }))
 	// The ceiling is what the limit may grow to: the alert on memory
 	// compares the cache with it, not with an automatic limit that
 	// follows the cache.
@@ -90,11 +105,9 @@ func (s *Server) startMemoryLimit(ctx context.Context) {
 		Name: "etcd_snapcache_memory_limit_max_bytes",
 		Help: "The most the Go runtime's soft memory limit may be: a fixed --memory-limit or GOMEMLIMIT, or, with --memory-limit=auto, 90% of the cgroup's memory limit; 0: no bound.",
 	}, func() float64 { return float64(ceiling.Load()) }))
-	if l := debug.SetMemoryLimit(-1); l != math.MaxInt64 {
-		ceiling.Store(l) // GOMEMLIMIT, or another server's
-	}
+	ceiling.Store(memlimit.RuntimeLimit()) // GOMEMLIMIT, or another server's
 	lg := s.lg.Named("memlimit")
-	if s.cfg.MemoryLimit == 0 {
+	if s.cfg.MemoryLimit.Mode == MemoryLimitNone {
 		lg.Info("no memory limit (--memory-limit=0): the Go runtime's default pacing, which lets the heap grow to twice the live data")
 		return
 	}
@@ -102,35 +115,28 @@ func (s *Server) startMemoryLimit(ctx context.Context) {
 		lg.Info("the memory limit is GOMEMLIMIT's; --memory-limit is not applied", zap.String("GOMEMLIMIT", env))
 		return
 	}
-	if !memoryLimitOwned.CompareAndSwap(false, true) {
+	rt, ok := memlimit.AcquireRuntime()
+	if !ok {
 		lg.Info("another server of this process manages the memory limit")
 		return
 	}
 	var p memlimit.Policy
 	mode := "fixed"
-	switch s.cfg.MemoryLimit {
+	switch s.cfg.MemoryLimit.Mode {
 	case MemoryLimitAuto, MemoryLimitCgroup:
-		mode, p.FollowLive = "auto", s.cfg.MemoryLimit == MemoryLimitAuto
-		if !p.FollowLive {
-			mode = "cgroup"
-		}
+		mode, p.FollowLive = s.cfg.MemoryLimit.String(), s.cfg.MemoryLimit.Mode == MemoryLimitAuto
 		cg, err := memlimit.CgroupLimit()
 		if err != nil {
 			lg.Debug("no cgroup memory limit read", zap.Error(err))
 		}
 		p.Cgroup = cg
 	default:
-		p.Fixed = s.cfg.MemoryLimit
+		p.Fixed = s.cfg.MemoryLimit.Bytes
 	}
 	t := &memlimit.Tracker{
 		Policy: p,
 		Live:   s.liveEstimate,
-		Set: func(l int64) {
-			if l <= 0 {
-				l = math.MaxInt64 // none; never a limit of 0
-			}
-			debug.SetMemoryLimit(l)
-		},
+		Set:    rt.Set,
 		Changed: func(l, prev int64) {
 			lg.Debug("memory limit moved", zap.Int64("memory-limit-bytes", l), zap.Int64("previous-bytes", prev))
 		},
@@ -139,10 +145,9 @@ func (s *Server) startMemoryLimit(ctx context.Context) {
 	fields := []zap.Field{zap.String("mode", mode), zap.Int64("cgroup-limit-bytes", p.Cgroup)}
 	if p.Limit(s.liveEstimate()) == 0 {
 		lg.Info("no memory limit: no cgroup memory limit", fields...)
-		memoryLimitOwned.Store(false)
+		rt.Release()
 		return
 	}
-	found := debug.SetMemoryLimit(-1)
 	initial := t.Start()
 	fields = append(fields, zap.String("memory-limit", memlimit.FormatSize(initial)), zap.Int64("memory-limit-bytes", initial))
 	if p.FollowLive {
@@ -152,8 +157,7 @@ func (s *Server) startMemoryLimit(ctx context.Context) {
 		lg.Info("memory limit set", fields...)
 	}
 	s.run(func() {
-		defer memoryLimitOwned.Store(false)
-		defer debug.SetMemoryLimit(found)
+		defer rt.Release()
 		t.Run(ctx)
 	})
 }

@@ -23,7 +23,7 @@ import (
 // memoryLimitServer is what startMemoryLimit needs of a server. Its live
 // heap is the store's alone: the test process's own (an embedded etcd's
 // among it) is not the proxy's.
-func memoryLimitServer(limit int64) *Server {
+func memoryLimitServer(limit MemoryLimit) *Server {
 	return &Server{
 		cfg:      Config{MemoryLimit: limit},
 		lg:       zap.NewNop(),
@@ -61,7 +61,7 @@ func TestMemoryLimitDefersToGOMEMLIMIT(t *testing.T) {
 	t.Setenv("GOMEMLIMIT", "1GiB")
 	before := debug.SetMemoryLimit(1 << 30) // what the runtime took from it
 	defer debug.SetMemoryLimit(before)
-	s := memoryLimitServer(MemoryLimitAuto)
+	s := memoryLimitServer(MemoryLimit{Mode: MemoryLimitAuto})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	s.startMemoryLimit(ctx)
@@ -82,7 +82,7 @@ func TestMemoryLimitDefersToGOMEMLIMIT(t *testing.T) {
 func TestMemoryLimitAuto(t *testing.T) {
 	withoutGOMEMLIMIT(t)
 	before := debug.SetMemoryLimit(-1)
-	s := memoryLimitServer(MemoryLimitAuto)
+	s := memoryLimitServer(MemoryLimit{Mode: MemoryLimitAuto})
 	ctx, cancel := context.WithCancel(context.Background())
 	s.startMemoryLimit(ctx)
 	first := debug.SetMemoryLimit(-1)
@@ -96,7 +96,7 @@ func TestMemoryLimitAuto(t *testing.T) {
 	}
 
 	// Another server of the process leaves it alone.
-	other := memoryLimitServer(1 << 40)
+	other := memoryLimitServer(FixedMemoryLimit(1 << 40))
 	other.startMemoryLimit(ctx)
 	if got := debug.SetMemoryLimit(-1); got != first {
 		t.Fatalf("a second server moved the limit to %d", got)
@@ -131,7 +131,7 @@ func TestMemoryLimitAuto(t *testing.T) {
 func TestMemoryLimitAutoFollowsTheLiveHeap(t *testing.T) {
 	withoutGOMEMLIMIT(t)
 	before := debug.SetMemoryLimit(-1)
-	s := memoryLimitServer(MemoryLimitAuto)
+	s := memoryLimitServer(MemoryLimit{Mode: MemoryLimitAuto})
 	var live atomic.Int64
 	s.heapLive = live.Load
 	ctx, cancel := context.WithCancel(context.Background())
@@ -160,7 +160,7 @@ func TestMemoryLimitAutoFollowsTheLiveHeap(t *testing.T) {
 func TestMemoryLimitFixedAndOff(t *testing.T) {
 	withoutGOMEMLIMIT(t)
 	before := debug.SetMemoryLimit(-1)
-	s := memoryLimitServer(3 << 30)
+	s := memoryLimitServer(FixedMemoryLimit(3 << 30))
 	ctx, cancel := context.WithCancel(context.Background())
 	s.startMemoryLimit(ctx)
 	if got := debug.SetMemoryLimit(-1); got != 3<<30 {
@@ -169,7 +169,7 @@ func TestMemoryLimitFixedAndOff(t *testing.T) {
 	cancel()
 	s.wg.Wait()
 
-	off := memoryLimitServer(0)
+	off := memoryLimitServer(MemoryLimit{Mode: MemoryLimitNone})
 	off.startMemoryLimit(context.Background())
 	if got := debug.SetMemoryLimit(-1); got != before {
 		t.Fatalf("--memory-limit=0 moved the limit to %d", got)

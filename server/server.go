@@ -27,6 +27,7 @@ import (
 
 	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/tlsmux"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
@@ -114,7 +115,7 @@ func Start(cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
-	s := &Server{cfg: cfg, lg: cfg.Logger, errc: make(chan error, 4), registry: prometheus.NewRegistry(), heapLive: runtimeHeapLive, now: make(chan struct{})}
+	s := &Server{cfg: cfg, lg: cfg.Logger, errc: make(chan error, 4), registry: prometheus.NewRegistry(), heapLive: memlimit.HeapLive, now: make(chan struct{})}
 	s.stopped, s.stopStream = context.WithCancel(context.Background())
 	s.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var err error

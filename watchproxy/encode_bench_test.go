@@ -45,7 +45,7 @@ func BenchmarkSendEvents(b *testing.B) {
 		b.Run(name, func(b *testing.B) {
 			store := revtree.New(0)
 			store.Reset(1, []*mvccpb.KeyValue{{Key: []byte("/p/k"), Value: make([]byte, 1024), CreateRevision: 1, ModRevision: 1, Version: 1}}, 0)
-			srv := New(Config{Store: store, Follower: newFakeFollower(store)})
+			srv := New(testConfig(store, newFakeFollower(store)))
 			defer srv.Close()
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()

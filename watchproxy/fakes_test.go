@@ -16,6 +16,7 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/broadcast"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
@@ -292,6 +293,18 @@ type world struct {
 }
 
 // newWorld loads the store empty at revision 1: its history starts at 2.
+// testConfig is the Config of a test's server: etcd's progress interval
+// followed, as the proxy's default, and no auth.
+func testConfig(store Store, f Follower) Config {
+	return Config{
+		Store:                  store,
+		Follower:               f,
+		ProgressNotifyInterval: DefaultProgressNotifyInterval,
+		FollowEtcdProgress:     true,
+		Gate:                   gate.Unchecked{},
+	}
+}
+
 func newWorld(t *testing.T) *world {
 	store := revtree.New(0)
 	store.Reset(1, nil, 0)
@@ -300,7 +313,7 @@ func newWorld(t *testing.T) *world {
 		t:        t,
 		store:    store,
 		follower: f,
-		srv:      New(Config{Store: store, Follower: f}),
+		srv:      New(testConfig(store, f)),
 		live:     map[string]*mvccpb.KeyValue{},
 		applied:  map[int64][]*mvccpb.Event{},
 	}

@@ -59,7 +59,7 @@ func (s *fakeStream) eventsByWatch(t *testing.T, upTo int64, ids ...int64) map[i
 // one created at a past revision below it.
 func TestWatchCompactionAboveHeadCancelsOnlyUnsynced(t *testing.T) {
 	w := newWorld(t)
-	w.srv = New(Config{Store: heldStore{w.store, w}, Follower: w.follower})
+	w.srv = New(testConfig(heldStore{w.store, w}, w.follower))
 	w.apply(put("k", "a")) // 2
 	w.apply(put("k", "b")) // 3
 	fs := w.watch()
@@ -92,7 +92,7 @@ func TestWatchCompactionAboveHeadCancelsOnlyUnsynced(t *testing.T) {
 // holds its events, and canceled only once they are gone.
 func TestWatchCompactionCancelsSyncedWatcherOnlyOnceItsEventsAreGone(t *testing.T) {
 	w := newWorld(t)
-	w.srv = New(Config{Store: heldStore{w.store, w}, Follower: w.follower})
+	w.srv = New(testConfig(heldStore{w.store, w}, w.follower))
 	fs := w.watch()
 	checkCreated(t, fs.create(t, &pb.WatchCreateRequest{Key: []byte("k")}), 0, 1)
 

@@ -2,6 +2,7 @@ package watchproxy
 
 import (
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"sync"
 	"time"
@@ -12,7 +13,6 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
-	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
@@ -115,11 +115,12 @@ type Config struct {
 	// Upstream is etcd's Watch service: for catching watchers up from
 	// etcd's history, and for relaying streams that carry an auth token.
 	Upstream pb.WatchClient
-	// ProgressNotifyInterval, if set, is the interval of periodic progress
-	// notifications. If 0, they follow etcd's own (Follower.PeriodicProgress),
-	// with DefaultProgressNotifyInterval as the fallback while etcd sends
-	// none.
+	// ProgressNotifyInterval is the interval of periodic progress
+	// notifications (more than 0). With FollowEtcdProgress they follow
+	// etcd's own (Follower.PeriodicProgress), and the interval is only the
+	// fallback while etcd sends none.
 	ProgressNotifyInterval time.Duration
+	FollowEtcdProgress     bool
 	// FragmentBytes is where etcd splits a fragmenting watcher's
 	// responses: its --max-request-bytes plus 512 KiB.
 	FragmentBytes int
@@ -129,8 +130,8 @@ type Config struct {
 	// (stream.endRelist). nil: a store never found inconsistent.
 	Consistency Consistency
 	// Gate is the auth gate (gate.Gate): etcd's permission check of each
-	// watch create, and which streams only etcd can serve. nil:
-	// gate.Unchecked, a proxy in front of an etcd without auth.
+	// watch create, and which streams only etcd can serve; gate.Unchecked
+	// in front of an etcd without auth. Required.
 	Gate    Gate
 	Logger  *zap.Logger
 	Metrics *Metrics
@@ -170,18 +171,17 @@ func New(cfg Config) *Server {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
-	followEtcd := cfg.ProgressNotifyInterval <= 0
-	if followEtcd {
-		cfg.ProgressNotifyInterval = DefaultProgressNotifyInterval
+	if cfg.ProgressNotifyInterval <= 0 {
+		panic(fmt.Sprintf("watchproxy: ProgressNotifyInterval %v: want more than 0", cfg.ProgressNotifyInterval))
+	}
+	if cfg.Gate == nil {
+		panic("watchproxy: no Gate (gate.Unchecked is the gate of an etcd without auth)")
 	}
 	if cfg.FragmentBytes <= 0 {
 		cfg.FragmentBytes = defaultFragmentBytes
 	}
 	if cfg.Consistency == nil {
 		cfg.Consistency = neverInconsistent{}
-	}
-	if cfg.Gate == nil {
-		cfg.Gate = gate.Unchecked{}
 	}
 	s := &Server{
 		store:        cfg.Store,
@@ -190,7 +190,7 @@ func New(cfg Config) *Server {
 		consistency:  cfg.Consistency,
 		gate:         cfg.Gate,
 		interval:     cfg.ProgressNotifyInterval,
-		followEtcd:   followEtcd,
+		followEtcd:   cfg.FollowEtcdProgress,
 		maxBytes:     cfg.FragmentBytes,
 		lg:           cfg.Logger,
 		m:            cfg.Metrics,
@@ -200,7 +200,7 @@ func New(cfg Config) *Server {
 		catchupStall: catchupStall,
 		closing:      make(chan struct{}),
 	}
-	s.waker = newStreamWaker(cfg.Follower, cfg.Consistency, s.progressInterval, followEtcd)
+	s.waker = newStreamWaker(cfg.Follower, cfg.Consistency, s.progressInterval, cfg.FollowEtcdProgress)
 	return s
 }
 

@@ -144,7 +144,8 @@ func putEvent(key string, rev int64) *mvccpb.Event {
 func newWorldAt(t *testing.T, rev int64, up pb.WatchClient, configure func(*Config)) *world {
 	w := newWorld(t)
 	w.store.Reset(rev, nil, 0)
-	cfg := Config{Store: w.store, Follower: w.follower, Upstream: up}
+	cfg := testConfig(w.store, w.follower)
+	cfg.Upstream = up
 	if configure != nil {
 		configure(&cfg)
 	}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -169,22 +170,44 @@ func TestServeMaxHistoryBytes(t *testing.T) {
 func TestServeMemoryLimit(t *testing.T) {
 	for _, tc := range []struct {
 		args []string
-		want int64
+		want server.MemoryLimit
 	}{
-		{nil, server.MemoryLimitAuto},
-		{[]string{"--memory-limit=auto"}, server.MemoryLimitAuto},
-		{[]string{"--memory-limit", "3GiB"}, 3 << 30},
-		{[]string{"--memory-limit", "512Mi"}, 512 << 20},
-		{[]string{"--memory-limit", "2G"}, 2e9},
-		{[]string{"--memory-limit", "1073741824"}, 1 << 30},
-		{[]string{"--memory-limit=0"}, 0},
+		{nil, server.MemoryLimit{Mode: server.MemoryLimitAuto}},
+		{[]string{"--memory-limit=auto"}, server.MemoryLimit{Mode: server.MemoryLimitAuto}},
+		{[]string{"--memory-limit", "3GiB"}, server.FixedMemoryLimit(3 << 30)},
+		{[]string{"--memory-limit", "512Mi"}, server.FixedMemoryLimit(512 << 20)},
+		{[]string{"--memory-limit", "2G"}, server.FixedMemoryLimit(2e9)},
+		{[]string{"--memory-limit", "1073741824"}, server.FixedMemoryLimit(1 << 30)},
+		{[]string{"--memory-limit=0"}, server.MemoryLimit{Mode: server.MemoryLimitNone}},
 	} {
 		cfg, err := parseServe(t, append([]string{"--endpoints", "http://127.0.0.1:2379"}, tc.args...)...)
 		if err != nil {
 			t.Fatalf("%v: %v", tc.args, err)
 		}
 		if cfg.MemoryLimit != tc.want {
-			t.Errorf("%v: MemoryLimit %d, want %d", tc.args, cfg.MemoryLimit, tc.want)
+			t.Errorf("%v: MemoryLimit %v, want %v", tc.args, cfg.MemoryLimit, tc.want)
+		}
+	}
+}
+
+// TestServeDefaultsAreDefaultConfig: `serve` with only --endpoints is
+// server.DefaultConfig, field for field: every flag takes its default from
+// it, and no default lives in a flag alone.
+func TestServeDefaultsAreDefaultConfig(t *testing.T) {
+	cfg, err := parseServe(t, "--endpoints", "http://127.0.0.1:2379")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := server.DefaultConfig()
+	want.Endpoints = []string{"http://127.0.0.1:2379"}
+	cfg.Logger = nil
+	if len(cfg.AdvertiseClientURLs) == 0 {
+		cfg.AdvertiseClientURLs = nil // the flag's empty list: the default
+	}
+	got, wantV := reflect.ValueOf(cfg), reflect.ValueOf(want)
+	for i := range got.NumField() {
+		if !reflect.DeepEqual(got.Field(i).Interface(), wantV.Field(i).Interface()) {
+			t.Errorf("serve's %s is %#v, DefaultConfig's %#v", got.Type().Field(i).Name, got.Field(i).Interface(), wantV.Field(i).Interface())
 		}
 	}
 }

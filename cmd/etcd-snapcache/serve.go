@@ -13,7 +13,6 @@ import (
 	"path/filepath"
 	"strings"
 	"syscall"
-	"time"
 
 	"github.com/urfave/cli/v2"
 	"go.uber.org/zap"
@@ -26,9 +25,7 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/internal/handover"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
-	"github.com/etcd-snapcache/etcd-snapcache/persist"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
-	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
 )
 
 const (
@@ -93,8 +90,8 @@ func serveCommand() *cli.Command {
 			&cli.BoolFlag{Name: "auto-tls", Category: catServing, Usage: "serve TLS with a generated self-signed certificate, kept in --data-dir"},
 			&cli.UintFlag{Name: "self-signed-cert-validity", Category: catServing, Value: d.SelfSignedCertValidity, Usage: "validity of the --auto-tls certificate, in years"},
 			&cli.StringSliceFlag{Name: "listen-cipher-suites", Category: catServing, Usage: "TLS cipher suites served (empty: Go's)"},
-			&cli.StringFlag{Name: "tls-min-version", Category: catServing, Value: string(tlsutil.TLSVersion12), Usage: "minimum TLS version served: TLS1.2 or TLS1.3"},
-			&cli.StringFlag{Name: "tls-max-version", Category: catServing, Value: string(tlsutil.TLSVersionDefault), Usage: "maximum TLS version served: TLS1.2 or TLS1.3 (empty: Go's)"},
+			&cli.StringFlag{Name: "tls-min-version", Category: catServing, Value: tlsVersionName(d.ServerTLS.MinVersion), Usage: "minimum TLS version served: TLS1.2 or TLS1.3"},
+			&cli.StringFlag{Name: "tls-max-version", Category: catServing, Value: tlsVersionName(d.ServerTLS.MaxVersion), Usage: "maximum TLS version served: TLS1.2 or TLS1.3 (empty: Go's)"},
 			&cli.UintFlag{Name: "max-concurrent-streams", Category: catServing, Value: uint(d.MaxConcurrentStreams), Usage: "most concurrent streams of one client connection (0: no bound)"},
 			&cli.DurationFlag{Name: "grpc-keepalive-min-time", Category: catServing, Value: d.GRPCKeepAliveMinTime, Usage: "least interval a client may ping at (0: gRPC's)"},
 			&cli.DurationFlag{Name: "grpc-keepalive-interval", Category: catServing, Value: d.GRPCKeepAliveInterval, Usage: "interval of the server's pings to clients (0 disables)"},
@@ -103,15 +100,15 @@ func serveCommand() *cli.Command {
 			&cli.IntFlag{Name: "resolver-ttl", Category: catServing, Usage: "TTL in seconds of the registration under --resolver-prefix"},
 			&cli.IntFlag{Name: "max-request-bytes", Category: catServing, Value: d.MaxRequestBytes,
 				Usage: "the upstream's --max-request-bytes: the largest request accepted, and where fragmenting watch responses are split"},
-			&cli.DurationFlag{Name: "watch-progress-notify-interval", Category: catServing, Value: watchproxy.DefaultProgressNotifyInterval,
+			&cli.DurationFlag{Name: "watch-progress-notify-interval", Category: catServing, Value: d.WatchProgressNotifyInterval,
 				Usage: "interval of progress notifications to idle watchers that asked for them; not given: etcd's own interval, followed through an idle upstream watch (this default while etcd sends none)"},
 			&cli.BoolFlag{Name: "enable-pprof", Category: catServing, Usage: "serve runtime profiles at /debug/pprof/ on the client port"},
-			&cli.BoolFlag{Name: "enable-grpc-gateway", Category: catServing, Value: true,
+			&cli.BoolFlag{Name: "enable-grpc-gateway", Category: catServing, Value: d.EnableGRPCGateway,
 				Usage: "serve etcd's HTTP/JSON gateway (/v3/kv/range, /v3/watch, ...) on the client port, as etcd does: reads from the cache, the rest forwarded"},
 			&cli.BoolFlag{Name: "debug", Category: catServing, Usage: "log at debug level"},
 			&cli.StringFlag{Name: "log-level", Category: catServing, Value: "info", Usage: "debug, info, warn or error"},
 			&cli.BoolFlag{Name: "experimental-enable-grpc-logging", Category: catServing, Usage: "log every gRPC request and response"},
-			&cli.StringFlag{Name: "data-dir", Category: catServing, Value: ".snapcache/etcd",
+			&cli.StringFlag{Name: "data-dir", Category: catServing, Value: d.DataDir,
 				Usage: "with --endpoints: where the cache keeps its copy on disk (--persist-cache) and --auto-tls its certificates; without: the embedded etcd's data"},
 
 			&cli.StringFlag{Name: "namespace", Category: catIgnored, Usage: "prefix every key with this string: not supported, refused when set"},
@@ -140,13 +137,13 @@ func serveCommand() *cli.Command {
 			&cli.DurationFlag{Name: "compaction-probe-interval", Category: catCache, Value: d.CompactionProbeInterval,
 				Usage: "how often to check etcd's compaction revision (finds auto-compaction and compactions by other clients)"},
 			&cli.Int64Flag{Name: "load-page-size", Category: catCache, Value: d.LoadPageSize, Usage: "page size of the initial load"},
-			&cli.BoolFlag{Name: "persist-cache", Category: catCache, Value: true,
+			&cli.BoolFlag{Name: "persist-cache", Category: catCache, Value: d.PersistDir != "",
 				Usage: "keep a copy of the cache in <data-dir>/snapcache, written off the request path, so that a restart starts warm: it reads from etcd only what changed since, after proving the copy is etcd's history"},
-			&cli.DurationFlag{Name: "persist-interval", Category: catCache, Value: persist.DefaultInterval,
+			&cli.DurationFlag{Name: "persist-interval", Category: catCache, Value: d.PersistInterval,
 				Usage: "how often the copy on disk is brought up to date (one fsynced bbolt transaction each)"},
 			&cli.BoolFlag{Name: "load-retained-history", Category: catCache,
 				Usage: "at start, replay every revision etcd retains, so historical reads are served from memory right after a restart"},
-			&cli.StringFlag{Name: "memory-limit", Category: catCache, Value: "auto",
+			&cli.StringFlag{Name: "memory-limit", Category: catCache, Value: d.MemoryLimit.String(),
 				Usage: "the Go runtime's soft memory limit, bytes or a size such as 3GiB or 512Mi; 'auto' follows the cache's live memory and the cached responses in flight, with headroom (1.25x plus 32MiB, at least 64MiB), within 90% of the cgroup's memory limit; 0: none (the heap grows to twice the live data between collections). GOMEMLIMIT wins when set"},
 		},
 		Action: serve,
@@ -180,10 +177,10 @@ func serve(c *cli.Context) error {
 	}
 
 	embedded := len(cfg.Endpoints) == 0
-	if embedded && cfg.MemoryLimit == server.MemoryLimitAuto {
+	if embedded && cfg.MemoryLimit.Mode == server.MemoryLimitAuto {
 		// The embedded etcd's heap is the process's too: the cache's
 		// estimate does not cover it.
-		cfg.MemoryLimit = server.MemoryLimitCgroup
+		cfg.MemoryLimit = server.MemoryLimit{Mode: server.MemoryLimitCgroup}
 	}
 	if embedded {
 		e, err := startEmbedded(lg, server.EmbeddedConfig{
@@ -201,7 +198,7 @@ func serve(c *cli.Context) error {
 		// certificates beside it.
 		cfg.DataDir = filepath.Dir(c.String("data-dir"))
 		if cfg.PersistDir != "" {
-			cfg.PersistDir = filepath.Join(cfg.DataDir, "snapcache")
+			cfg.PersistDir = filepath.Join(cfg.DataDir, server.PersistSubdir)
 		}
 	}
 
@@ -384,13 +381,17 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 	cfg.ConsistencyCheckInterval = c.Duration("consistency-check-interval")
 	cfg.CompactionProbeInterval = c.Duration("compaction-probe-interval")
 	cfg.LoadRetainedHistory = c.Bool("load-retained-history")
+	cfg.PersistDir = ""
 	if c.Bool("persist-cache") {
-		cfg.PersistDir = filepath.Join(cfg.DataDir, "snapcache")
+		cfg.PersistDir = filepath.Join(cfg.DataDir, server.PersistSubdir)
 	}
 	cfg.PersistInterval = c.Duration("persist-interval")
 	cfg.LoadPageSize = c.Int64("load-page-size")
 	cfg.MaxRequestBytes = c.Int("max-request-bytes")
-	cfg.WatchProgressNotifyInterval = progressOverride(c)
+	// Not given: etcd's own interval, with the flag's default as the
+	// fallback while etcd sends none.
+	cfg.WatchProgressNotifyInterval = c.Duration("watch-progress-notify-interval")
+	cfg.FollowEtcdProgressInterval = !c.IsSet("watch-progress-notify-interval")
 	if cfg.MemoryLimit, err = memoryLimit(c.String("memory-limit")); err != nil {
 		return server.Config{}, err
 	}
@@ -408,25 +409,15 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 }
 
 // memoryLimit parses --memory-limit: "auto", 0 (none), or a byte size.
-func memoryLimit(v string) (int64, error) {
+func memoryLimit(v string) (server.MemoryLimit, error) {
 	if strings.EqualFold(strings.TrimSpace(v), "auto") {
-		return server.MemoryLimitAuto, nil
+		return server.MemoryLimit{Mode: server.MemoryLimitAuto}, nil
 	}
 	n, err := memlimit.ParseSize(v)
 	if err != nil {
-		return 0, fmt.Errorf("--memory-limit: %w (or auto, or 0 for none)", err)
+		return server.MemoryLimit{}, fmt.Errorf("--memory-limit: %w (or auto, or 0 for none)", err)
 	}
-	return n, nil
-}
-
-// progressOverride is the periodic progress interval when the flag is
-// given; otherwise 0: the proxy follows etcd's own interval, learned from an
-// idle upstream watch, with the flag's default as the fallback.
-func progressOverride(c *cli.Context) time.Duration {
-	if c.IsSet("watch-progress-notify-interval") {
-		return c.Duration("watch-progress-notify-interval")
-	}
-	return 0
+	return server.FixedMemoryLimit(n), nil
 }
 
 // refuseUnsupported refuses the grpc-proxy flags that would change what
@@ -635,4 +626,16 @@ func newLogger(level string) (*zap.Logger, error) {
 		return nil, fmt.Errorf("--log-level: %w", errors.New("want debug, info, warn or error"))
 	}
 	return cfg.Build()
+}
+
+// tlsVersionName is the --tls-min-version and --tls-max-version name of a
+// TLS version (tlsutil.GetTLSVersion's inverse); "" is Go's default.
+func tlsVersionName(v uint16) string {
+	switch v {
+	case tls.VersionTLS12:
+		return string(tlsutil.TLSVersion12)
+	case tls.VersionTLS13:
+		return string(tlsutil.TLSVersion13)
+	}
+	return string(tlsutil.TLSVersionDefault)
 }

@@ -312,3 +312,33 @@ func TestFormatSize(t *testing.T) {
 		}
 	}
 }
+
+// TestAcquireRuntime: one owner of the process at a time sets the runtime's
+// limit, and releasing restores the limit it found.
+func TestAcquireRuntime(t *testing.T) {
+	found := RuntimeLimit()
+	rt, ok := AcquireRuntime()
+	if !ok {
+		t.Fatal("the runtime's limit is held before the test")
+	}
+	if _, ok := AcquireRuntime(); ok {
+		t.Fatal("a second owner acquired the runtime's limit")
+	}
+	rt.Set(3 << 30)
+	if got := RuntimeLimit(); got != 3<<30 {
+		t.Fatalf("limit %d, want 3 GiB", got)
+	}
+	rt.Set(0)
+	if got := RuntimeLimit(); got != 0 {
+		t.Fatalf("limit %d after Set(0), want none", got)
+	}
+	rt.Release()
+	if got := RuntimeLimit(); got != found {
+		t.Fatalf("limit %d after Release, want the %d found", got, found)
+	}
+	again, ok := AcquireRuntime()
+	if !ok {
+		t.Fatal("the runtime's limit cannot be acquired after Release")
+	}
+	again.Release()
+}

@@ -41,7 +41,8 @@ func StartEtcd(tb testing.TB, cfg server.EmbeddedConfig) *embed.Etcd {
 // Config is server.DefaultConfig in front of the etcd at endpoint,
 // listening on a free port of 127.0.0.1, with edit applied (if any): a
 // test says only what it changes, and every other field but MemoryLimit
-// (none) is the default a user gets.
+// (none) and PersistDir (no copy on disk: a test that wants one gives it
+// a temporary directory) is the default a user gets.
 func Config(endpoint string, edit func(cfg *server.Config)) server.Config {
 	cfg := server.DefaultConfig()
 	cfg.Endpoints = []string{endpoint}
@@ -49,7 +50,9 @@ func Config(endpoint string, edit func(cfg *server.Config)) server.Config {
 	// The memory limit is the process's, and a test's heap holds more
 	// than one proxy's store (an embedded etcd, other proxies): the
 	// runtime's default pacing, unless the test sets one.
-	cfg.MemoryLimit = 0
+	cfg.MemoryLimit = server.MemoryLimit{Mode: server.MemoryLimitNone}
+	// The default is relative to the working directory, which tests share.
+	cfg.PersistDir = ""
 	if edit != nil {
 		edit(&cfg)
 	}
