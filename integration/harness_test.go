@@ -100,7 +100,9 @@ func newCluster(tb testing.TB, opts clusterOptions) *cluster {
 		if opts.maxRequestBytes != 0 {
 			cfg.MaxRequestBytes = opts.maxRequestBytes
 		}
-		cfg.WatchProgressNotifyInterval = opts.progressNotifyInterval
+		if opts.progressNotifyInterval > 0 {
+			cfg.WatchProgressNotifyInterval, cfg.FollowEtcdProgressInterval = opts.progressNotifyInterval, false
+		}
 		cfg.Logger = lg
 	})
 	if opts.quiet {

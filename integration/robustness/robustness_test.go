@@ -211,7 +211,7 @@ func newEnv(t *testing.T, lg *zap.Logger, opts options) *env {
 		// The robustness scenarios run etcd with
 		// e2e.WithWatchProcessNotifyInterval(100ms); the proxy serves
 		// the watches, so the interval is the proxy's.
-		cfg.WatchProgressNotifyInterval = 100 * time.Millisecond
+		cfg.WatchProgressNotifyInterval, cfg.FollowEtcdProgressInterval = 100*time.Millisecond, false
 		if opts.maxHistoryBytes != 0 {
 			cfg.MaxHistoryBytes = opts.maxHistoryBytes
 		}
