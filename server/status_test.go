@@ -37,28 +37,8 @@ func TestStatusAsTheMetrics(t *testing.T) {
 	}))
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	direct := newClient(t, etcd)
-	var last int64
-	for _, k := range []string{"a", "b", "c"} {
-		resp, err := direct.Put(ctx, k, "v")
-		if err != nil {
-			t.Fatal(err)
-		}
-		last = resp.Header.Revision
-	}
-	testsupport.WaitFor(t, 30*time.Second, "the cache at etcd's revision", func() bool { return p.Store().Rev() >= last })
-	viaProxy := newClient(t, "http://"+p.Addr())
-	if _, err := viaProxy.Get(ctx, "a", clientv3.WithSerializable()); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := viaProxy.Get(ctx, "a", clientv3.WithRev(last-1), clientv3.WithSerializable()); err != nil {
-		t.Fatal(err)
-	}
-	wctx, wcancel := context.WithCancel(ctx)
-	defer wcancel()
-	if resp := <-viaProxy.Watch(wctx, "w", clientv3.WithCreatedNotify()); !resp.Created {
-		t.Fatalf("watch through the proxy: %+v", resp)
-	}
+	last := servertest.PutAndWait(ctx, t, newClient(t, etcd), p)
+	servertest.ReadAndWatch(ctx, t, newClient(t, "http://"+p.Addr()), last)
 
 	hc := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 10 * time.Second}
 	var doc proxystatus.Status

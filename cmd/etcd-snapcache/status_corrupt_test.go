@@ -30,7 +30,7 @@ func TestStatusFallback(t *testing.T) {
 	}))
 	ctx, cancel := context.WithTimeout(context.Background(), statusWait)
 	defer cancel()
-	putAndWait(ctx, t, etcd, p)
+	servertest.PutAndWait(ctx, t, client(t, etcd, clientv3.Config{}), p)
 	args := []string{"--endpoints", "http://" + p.MetricsAddr()}
 	if sts, err := statusJSON(t, args...); err != nil || sts[0].Mode != "serving" {
 		t.Fatalf("before the corruption: %+v, %v", sts, err)

@@ -131,20 +131,8 @@ func TestStatusServing(t *testing.T) {
 	// Writes to etcd, then reads and a watch through the proxy.
 	ctx, cancel := context.WithTimeout(context.Background(), statusWait)
 	defer cancel()
-	last := putAndWait(ctx, t, etcd, p)
-	viaProxy := client(t, "https://"+p.Addr(), clientv3.Config{TLS: pki.ClientTLS(t, "")})
-	if _, err := viaProxy.Get(ctx, "a", clientv3.WithSerializable()); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := viaProxy.Get(ctx, "a", clientv3.WithRev(last-1), clientv3.WithSerializable()); err != nil {
-		t.Fatal(err)
-	}
-	wctx, wcancel := context.WithCancel(ctx)
-	defer wcancel()
-	wch := viaProxy.Watch(wctx, "w", clientv3.WithCreatedNotify())
-	if resp := <-wch; !resp.Created {
-		t.Fatalf("watch through the proxy: %+v", resp)
-	}
+	last := servertest.PutAndWait(ctx, t, client(t, etcd, clientv3.Config{}), p)
+	servertest.ReadAndWatch(ctx, t, client(t, "https://"+p.Addr(), clientv3.Config{TLS: pki.ClientTLS(t, "")}), last)
 
 	clientURL, metricsURL := "https://"+p.Addr(), "http://"+p.MetricsAddr()
 	args := []string{"--endpoints", clientURL + "," + metricsURL, "--cacert", ca, "--cert", cliCert, "--key", cliKey}
@@ -341,21 +329,4 @@ func TestStatusHelp(t *testing.T) {
 	if err != nil || !strings.Contains(out, "Examples:") || !strings.Contains(out, "etcd-snapcache status -w json --endpoints=") || !strings.Contains(out, "--write-out value, -w value") {
 		t.Fatalf("status --help: %v\n%s", err, out)
 	}
-}
-
-// putAndWait writes three keys straight to etcd, waits until the proxy's
-// cache has them, and returns the last one's revision.
-func putAndWait(ctx context.Context, t *testing.T, etcd string, p *server.Server) int64 {
-	t.Helper()
-	direct := client(t, etcd, clientv3.Config{})
-	var last int64
-	for _, k := range []string{"a", "b", "c"} {
-		resp, err := direct.Put(ctx, k, "v")
-		if err != nil {
-			t.Fatal(err)
-		}
-		last = resp.Header.Revision
-	}
-	testsupport.WaitFor(t, statusWait, "the cache at etcd's revision", func() bool { return p.Store().Rev() >= last })
-	return last
 }

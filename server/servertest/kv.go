@@ -5,8 +5,13 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"testing"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
+	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
 
 // ListPages reads [key, end) at rev the way kube-apiserver paginates a
@@ -63,4 +68,36 @@ func PutConcurrently(kv pb.KVClient, n, workers int, request func(i int) *pb.Put
 	close(next)
 	wg.Wait()
 	return head, firstErr
+}
+
+// PutAndWait puts a, b and c straight to etcd (direct) and waits until
+// p's cache has applied them; it returns the last put's revision.
+func PutAndWait(ctx context.Context, tb testing.TB, direct *clientv3.Client, p *server.Server) int64 {
+	tb.Helper()
+	var last int64
+	for _, k := range []string{"a", "b", "c"} {
+		resp, err := direct.Put(ctx, k, "v")
+		if err != nil {
+			tb.Fatal(err)
+		}
+		last = resp.Header.Revision
+	}
+	testsupport.WaitFor(tb, ReadyTimeout, "the cache at etcd's revision", func() bool { return p.Store().Rev() >= last })
+	return last
+}
+
+// ReadAndWatch makes, through the proxy (viaProxy), what the proxy counts
+// as served from its cache: a serializable read of a at the head and at
+// last-1 (PutAndWait's last put), and a watch of w, open until ctx ends.
+func ReadAndWatch(ctx context.Context, tb testing.TB, viaProxy *clientv3.Client, last int64) {
+	tb.Helper()
+	if _, err := viaProxy.Get(ctx, "a", clientv3.WithSerializable()); err != nil {
+		tb.Fatal(err)
+	}
+	if _, err := viaProxy.Get(ctx, "a", clientv3.WithRev(last-1), clientv3.WithSerializable()); err != nil {
+		tb.Fatal(err)
+	}
+	if resp := <-viaProxy.Watch(ctx, "w", clientv3.WithCreatedNotify()); !resp.Created {
+		tb.Fatalf("watch through the proxy: %+v", resp)
+	}
 }
