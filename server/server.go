@@ -132,7 +132,6 @@ func Start(cfg Config) (*Server, error) {
 		AuthToken:          cfg.AuthToken,
 		TokenCheckInterval: cfg.AuthTokenCheckInterval,
 		FreshnessTimeout:   cfg.FreshnessTimeout,
-		ValidateWrite:      kvproxy.ValidateWrite,
 		Logger:             s.lg.Named("auth"),
 	}); err != nil {
 		return nil, err
