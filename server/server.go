@@ -168,7 +168,7 @@ func Start(cfg Config) (*Server, error) {
 			Logger:   s.lg.Named("persist"),
 			Metrics:  persist.NewMetrics(s.registry),
 		})
-		disk = s.persister
+		disk = diskCopy{s.persister}
 	}
 	s.follower = progress.New(progress.Config{
 		Client:                  s.own,
