@@ -163,7 +163,6 @@ func Start(cfg Config) (*Server, error) {
 		s.persister = persist.New(persist.Config{
 			Dir:      cfg.PersistDir,
 			Store:    s.store,
-			Source:   persistSource{s},
 			Interval: cfg.PersistInterval,
 			Logger:   s.lg.Named("persist"),
 			Metrics:  persist.NewMetrics(s.registry),
@@ -259,7 +258,7 @@ func Start(cfg Config) (*Server, error) {
 	s.run(func() { s.checker.Run(ctx) })
 	s.run(func() { s.follower.Run(ctx) })
 	if s.persister != nil {
-		s.run(func() { s.persister.Run(ctx) })
+		s.run(func() { s.persister.Run(ctx, s.follower) })
 	}
 	s.run(func() { s.followReadiness(ctx) })
 	s.startMemoryLimit(ctx)
@@ -273,14 +272,6 @@ func Start(cfg Config) (*Server, error) {
 		zap.Strings("advertise-client-urls", s.advertiseURLs()))
 	return s, nil
 }
-
-// persistSource is the follower as the persister sees it: the persister
-// is made first, because the follower starts by restoring from it.
-type persistSource struct{ s *Server }
-
-func (p persistSource) Ready() <-chan struct{} { return p.s.follower.Ready() }
-func (p persistSource) Serving() bool          { return p.s.follower.Serving() }
-func (p persistSource) ClusterID() uint64      { return p.s.follower.ClusterID() }
 
 func boolGauge(b bool) float64 {
 	if b {
