@@ -24,7 +24,7 @@ import (
 //   - etcd's head (a quorum read) is not below R;
 //   - etcd has not compacted past R, so R can still be compared;
 //   - once the watch from R is created, etcd's keys and mod revisions at
-//     R are the store's (Config.VerifyCopy): a restore that kept the
+//     R are the store's (Config.History): a restore that kept the
 //     cluster id and moved on from an older snapshot fails here.
 //
 // A copy that fails a check is thrown away and the keyspace is loaded from
@@ -55,7 +55,7 @@ type DiskHeader struct {
 	// compaction revision as the cache last mirrored it.
 	Rev, CompactRev int64
 	// Bounds are keys of the copy, in key order: where a reader of etcd's
-	// keys at Rev may cut its chunks (Config.VerifyCopy).
+	// keys at Rev may cut its chunks (HistoryVerifier.SameHistoryAhead).
 	Bounds [][]byte
 }
 
@@ -185,11 +185,9 @@ func (f *Follower) verifyWarm(ctx context.Context, rev int64, next bool) error {
 	}
 	var same bool
 	var err error
-	if f.cfg.VerifyCopy != nil {
-		same, err = f.cfg.VerifyCopy(ctx, rev, f.warm.header.Bounds, restored)
-	} else if err = restored(); err == nil && f.cfg.VerifyHistory != nil {
-		same, err = f.cfg.VerifyHistory(ctx, rev)
-	} else if err == nil {
+	if f.cfg.History != nil {
+		same, err = f.cfg.History.SameHistoryAhead(ctx, rev, f.warm.header.Bounds, restored)
+	} else if err = restored(); err == nil {
 		err = errors.New("no way to compare etcd's keys with the copy's")
 	}
 	var damaged *restoreError

@@ -169,6 +169,9 @@ func Start(cfg Config) (*Server, error) {
 		})
 		disk = diskCopy{s.persister}
 	}
+	// The follower proves etcd's history on every resume with the
+	// verifier, and the checker compares with the same one.
+	verifier := hashcheck.NewVerifier(s.store, pb.NewKVClient(s.own.ActiveConnection()), s.lg.Named("hashcheck"))
 	s.follower = progress.New(progress.Config{
 		Client:                  s.own,
 		Store:                   s.store,
@@ -178,12 +181,8 @@ func Start(cfg Config) (*Server, error) {
 		CompactionProbeInterval: cfg.CompactionProbeInterval,
 		LoadRetainedHistory:     cfg.LoadRetainedHistory,
 		BeforeLoadPage:          cfg.BeforeLoadPage,
+		History:                 verifier,
 		Disk:                    disk,
-		// The checker is built next; resumes happen only once Run began.
-		VerifyHistory: func(ctx context.Context, rev int64) (bool, error) { return s.checker.SameHistory(ctx, rev) },
-		VerifyCopy: func(ctx context.Context, rev int64, bounds [][]byte, restored func() error) (bool, error) {
-			return s.checker.SameHistoryAhead(ctx, rev, bounds, restored)
-		},
 	})
 	s.gate.Connect(gate.Upstream{
 		Forwarding: s.client.ActiveConnection(),
@@ -191,9 +190,8 @@ func Start(cfg Config) (*Server, error) {
 		Follower:   s.follower,
 	})
 	s.checker = hashcheck.New(hashcheck.Config{
-		Store:      s.store,
+		Verifier:   verifier,
 		Follower:   s.follower,
-		Upstream:   pb.NewKVClient(s.own.ActiveConnection()),
 		Interval:   cfg.ConsistencyCheckInterval,
 		Logger:     s.lg.Named("hashcheck"),
 		Registerer: s.registry,
