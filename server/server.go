@@ -11,7 +11,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.uber.org/zap"
@@ -136,9 +135,7 @@ func Start(cfg Config) (*Server, error) {
 	}); err != nil {
 		return nil, err
 	}
-	clientMetrics := grpcprom.NewClientMetrics()
-	s.registry.MustRegister(clientMetrics)
-	if s.client, err = s.dialUpstream(clientMetrics, "", "", s.gate.WatchTokens); err != nil {
+	if err := s.connectUpstream(); err != nil {
 		return nil, err
 	}
 	ok := false
@@ -150,12 +147,6 @@ func Start(cfg Config) (*Server, error) {
 			s.closeAll()
 		}
 	}()
-	s.own = s.client
-	if cfg.User != "" {
-		if s.own, err = s.dialUpstream(clientMetrics, cfg.User, cfg.Password); err != nil {
-			return nil, err
-		}
-	}
 	s.store = revtree.New(cfg.BTreeDegree)
 	s.store.SetMaxHistoryBytes(cfg.MaxHistoryBytes)
 	var disk progress.DiskCopy

@@ -43,10 +43,41 @@ const (
 	upstreamConnWindow   = 16 << 20
 )
 
+// connectUpstream dials etcd: the connection of the proxy's own identity
+// (--user) first, if there is one, then the forwarding connection, whose
+// calls lend the requests checked as the proxy to the first and run the
+// gate's token watcher. Without --user the two are one.
+func (s *Server) connectUpstream() error {
+	clientMetrics := grpcprom.NewClientMetrics()
+	s.registry.MustRegister(clientMetrics)
+	var lend *lender
+	if s.cfg.User != "" {
+		own, err := s.dialUpstream(clientMetrics, s.cfg.User, s.cfg.Password, nil)
+		if err != nil {
+			return err
+		}
+		s.own, lend = own, &lender{own: own.ActiveConnection()}
+	}
+	client, err := s.dialUpstream(clientMetrics, "", "", lend, s.gate.WatchTokens)
+	if err != nil {
+		if s.own != nil {
+			s.own.Close()
+			s.own = nil
+		}
+		return err
+	}
+	s.client = client
+	if s.own == nil {
+		s.own = s.client
+	}
+	return nil
+}
+
 // dialUpstream returns a client of the upstream etcd, authenticated as user
 // if one is given. Its calls carry the caller's token and hasleader
-// metadata, and are counted in grpc_client_*.
-func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, password string, unary ...grpc.UnaryClientInterceptor) (*clientv3.Client, error) {
+// metadata, and are counted in grpc_client_*; lend, if set, comes before
+// them, and unary after.
+func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, password string, lend *lender, unary ...grpc.UnaryClientInterceptor) (*clientv3.Client, error) {
 	tlsCfg, err := ClientTLSConfig(s.cfg.UpstreamTLS, s.cfg.InsecureSkipTLSVerify)
 	if err != nil {
 		return nil, fmt.Errorf("upstream TLS: %w", err)
@@ -63,9 +94,11 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, passw
 	var streamFirst []grpc.StreamClientInterceptor
 	if user == "" {
 		maxRetries = 1
+	}
+	if lend != nil {
 		// A request checked here for a certificate caller goes as the
 		// proxy's own identity.
-		unaryFirst, streamFirst = []grpc.UnaryClientInterceptor{s.lendUnary}, []grpc.StreamClientInterceptor{s.lendStream}
+		unaryFirst, streamFirst = []grpc.UnaryClientInterceptor{lend.unary}, []grpc.StreamClientInterceptor{lend.stream}
 	}
 	client, err := clientv3.New(clientv3.Config{
 		MaxUnaryRetries:      maxRetries,
