@@ -89,7 +89,8 @@ type Follower struct {
 	leader   leaderState
 	changes  broadcast.Signal
 	// beforeCompact, if set, runs before each compaction drops the history
-	// below it (SetBeforeCompact).
+	// below it: the watch server's, which reads the follower and so is
+	// built after it, set by server before Run (SetBeforeCompact).
 	beforeCompact atomic.Pointer[func()]
 	requests      *progressRequests
 	probes        *headProbe

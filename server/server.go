@@ -15,25 +15,21 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.etcd.io/etcd/server/v3/proxy/grpcproxy"
 
 	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/tlsmux"
-	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/persist"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
-	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
 )
 
 // Server is a running etcd-snapcache.
@@ -66,21 +62,14 @@ type Server struct {
 	clientRaw, metricsRaw net.Listener
 	// acceptsOpen is closed when the listeners accept: at once, or
 	// once ready when they were handed over.
-	acceptsOpen       chan struct{}
-	clientHTTP        *http.Server
-	tlsMux            *tlsmux.Mux  // with TLS: the client port's connections by protocol
-	metricsLis        net.Listener // nil without MetricsAddr
-	metricsHTTP       *http.Server
-	health            *health.Server
-	checker           *hashcheck.Checker
-	keepAlives        *keepAlives // anonymous callers' keepalives
-	asProxyKeepAlives *keepAlives // certificate callers', checked, as the proxy
-	watch             *watchproxy.Server
-	kv                *kvproxy.Server
-	// kvMetrics and watchMetrics are the KV and Watch services' metrics,
-	// which /proxy/status reads too.
-	kvMetrics    *kvproxy.Metrics
-	watchMetrics *watchproxy.Metrics
+	acceptsOpen chan struct{}
+	clientHTTP  *http.Server
+	tlsMux      *tlsmux.Mux  // with TLS: the client port's connections by protocol
+	metricsLis  net.Listener // nil without MetricsAddr
+	metricsHTTP *http.Server
+	checker     *hashcheck.Checker
+	// svc are the etcd API's services, which grpcServer serves.
+	svc services
 	// clientDone are closed when goroutines of etcd's grpcproxy that live
 	// as long as the upstream client end, after it is closed.
 	clientDone []<-chan struct{}
@@ -213,14 +202,9 @@ func Start(cfg Config) (*Server, error) {
 		<-ctx.Done()
 		s.gate.Stop()
 	})
-	if s.grpcServer, err = s.newGRPCServer(ctx); err != nil {
-		return nil, err
-	}
-	if cfg.ResolverPrefix != "" {
-		if urls := s.advertiseURLs(); len(urls) > 0 {
-			s.clientDone = append(s.clientDone, grpcproxy.Register(s.lg.Named("resolver"), s.client, cfg.ResolverPrefix, urls[0], cfg.ResolverTTL))
-		}
-	}
+	s.svc = s.newServices(ctx)
+	s.grpcServer = s.newGRPCServer(s.svc)
+	s.advertise()
 	if s.self, err = s.dialSelf(); err != nil {
 		return nil, err
 	}
@@ -242,8 +226,8 @@ func Start(cfg Config) (*Server, error) {
 		s.metricsHTTP = s.newHTTPServer(newHTTPMux(endpoints, false))
 		s.serve("metrics", func() error { return s.metricsHTTP.Serve(s.metricsLis) })
 	}
-	s.run(func() { s.keepAlives.run() })
-	s.run(func() { s.asProxyKeepAlives.run() })
+	s.run(func() { s.svc.lease.ka.run() })
+	s.run(func() { s.svc.lease.asProxyKA.run() })
 	s.run(func() { s.checker.Run(ctx) })
 	s.run(func() { s.follower.Run(ctx) })
 	if s.persister != nil {
@@ -440,11 +424,11 @@ func (s *Server) followReadiness(ctx context.Context) {
 		err := s.notReady()
 		switch {
 		case err == nil && !serving:
-			s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+			s.svc.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 			s.lg.Info("ready")
 			s.firstReady.Do(s.firstReadiness)
 		case err != nil && serving:
-			s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+			s.svc.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
 			s.lg.Warn("not ready", zap.Error(err))
 		}
 		serving = err == nil
@@ -513,10 +497,10 @@ func (s *Server) Err() <-chan error { return s.errc }
 func (s *Server) Stop() {
 	s.once.Do(func() {
 		s.stopping.Store(true)
-		s.health.Shutdown()
+		s.svc.health.Shutdown()
 		s.lg.Info("stopping: not ready; ending watch and keepalive streams; open requests get up to " + gracefulStopTimeout.String())
 		s.stopStream()
-		s.watch.Close()
+		s.svc.watch.Close()
 		stopped := make(chan struct{})
 		go func() {
 			s.grpcServer.GracefulStop()
