@@ -144,7 +144,8 @@ type Gate struct {
 	jwt        auth.TokenProvider // nil: simple tokens
 	tokens     *tokens            // the callers' tokens the proxy can attribute
 
-	// Set by Connect, before any request.
+	// Set by Connect (server's Start, once the connections exist), before
+	// any request.
 	follower Follower
 	// mirror follows etcd's auth state: the gate runs it (Start) and
 	// tells it what requests through the proxy showed (AuthServer).

@@ -17,7 +17,6 @@ import (
 	"google.golang.org/grpc"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
-	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -43,10 +42,13 @@ type Server struct {
 	// gateway serves etcd's JSON gateway on the client port; nil when
 	// disabled.
 	gateway *gateway
-	// gate decides, per request, what etcd would of its caller.
+	// gate decides, per request, what etcd would of its caller. It is made
+	// before the upstream connections, whose calls run its token watcher;
+	// Start gives it them and the follower (Connect) once they exist.
 	gate     *gate.Gate
 	store    *revtree.Store
 	follower *progress.Follower
+	checker  *hashcheck.Checker
 	// persister keeps the cache's copy on disk; nil without PersistDir.
 	persister *persist.Persister
 	registry  *prometheus.Registry
@@ -67,7 +69,6 @@ type Server struct {
 	tlsMux      *tlsmux.Mux  // with TLS: the client port's connections by protocol
 	metricsLis  net.Listener // nil without MetricsAddr
 	metricsHTTP *http.Server
-	checker     *hashcheck.Checker
 	// svc are the etcd API's services, which grpcServer serves.
 	svc services
 	// clientDone are closed when goroutines of etcd's grpcproxy that live
@@ -96,7 +97,71 @@ type Server struct {
 
 // Start dials etcd, starts following it and serves until Stop. It returns
 // once the listeners are bound; the cache loads in the background.
+//
+// Each step builds what the next ones read, so that the order below is the
+// data flow; the few edges back are named where they are made.
 func Start(cfg Config) (*Server, error) {
+	s, err := newServer(cfg)
+	if err != nil {
+		return nil, err
+	}
+	// The gate comes before the connections to etcd: the forwarding one
+	// runs its token watcher on every call.
+	if s.gate, err = s.newGate(); err != nil {
+		return nil, err
+	}
+	if err := s.connectUpstream(); err != nil {
+		return nil, err
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			if s.grpcServer != nil {
+				s.grpcServer.Stop() // ends its stream workers
+			}
+			s.closeAll()
+		}
+	}()
+	s.buildCache()
+	// The gate gets the connections it was made before, and the follower
+	// whose state it reads, before any request (none is served before
+	// servePorts).
+	s.gate.Connect(gate.Upstream{
+		Forwarding: s.client.ActiveConnection(),
+		Own:        s.own.ActiveConnection(),
+		Follower:   s.follower,
+	})
+	s.registerMetrics()
+	if err := s.listen(); err != nil {
+		return nil, err
+	}
+	// Whatever starts from here runs until closeAll cancels ctx, on
+	// goroutines the server owns.
+	ctx, cancel := context.WithCancel(context.Background())
+	s.cancel = cancel
+	s.startGate(ctx)
+	s.svc = s.newServices(ctx)
+	s.grpcServer = s.newGRPCServer(s.svc)
+	s.advertise()
+	if err := s.servePorts(); err != nil {
+		return nil, err
+	}
+	s.runBackground(ctx)
+	ok = true
+	// grpc-proxy's words: tooling (etcd's e2e framework) waits for them.
+	s.lg.Info("started gRPC proxy",
+		zap.String("listen-addr", s.clientLis.Addr().String()),
+		zap.Bool("tls", s.tls != nil),
+		zap.String("metrics-addr", s.MetricsAddr()),
+		zap.Strings("upstream", cfg.Endpoints),
+		zap.Strings("advertise-client-urls", s.advertiseURLs()))
+	return s, nil
+}
+
+// newServer checks cfg and returns a server with what needs nothing
+// opened: its registry, with the Go and process collectors, and its
+// serving TLS.
+func newServer(cfg Config) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -113,69 +178,25 @@ func Start(cfg Config) (*Server, error) {
 	if cfg.ClientCertAuth && (s.tls == nil || s.tls.TrustedCAFile == "") {
 		return nil, errors.New("--client-cert-auth: client certificates are verified only with serving TLS and --trusted-ca-file")
 	}
-	if s.gate, err = gate.New(gate.Config{
-		User:               cfg.User,
-		UpstreamCertFile:   cfg.UpstreamTLS.CertFile,
-		ClientCertAuth:     cfg.ClientCertAuth,
-		AuthToken:          cfg.AuthToken,
-		TokenCheckInterval: cfg.AuthTokenCheckInterval,
-		FreshnessTimeout:   cfg.FreshnessTimeout,
+	return s, nil
+}
+
+// newGate returns the auth gate; it is given etcd by Connect.
+func (s *Server) newGate() (*gate.Gate, error) {
+	return gate.New(gate.Config{
+		User:               s.cfg.User,
+		UpstreamCertFile:   s.cfg.UpstreamTLS.CertFile,
+		ClientCertAuth:     s.cfg.ClientCertAuth,
+		AuthToken:          s.cfg.AuthToken,
+		TokenCheckInterval: s.cfg.AuthTokenCheckInterval,
+		FreshnessTimeout:   s.cfg.FreshnessTimeout,
 		Logger:             s.lg.Named("auth"),
-	}); err != nil {
-		return nil, err
-	}
-	if err := s.connectUpstream(); err != nil {
-		return nil, err
-	}
-	ok := false
-	defer func() {
-		if !ok {
-			if s.grpcServer != nil {
-				s.grpcServer.Stop() // ends its stream workers
-			}
-			s.closeAll()
-		}
-	}()
-	s.store = revtree.New(cfg.BTreeDegree)
-	s.store.SetMaxHistoryBytes(cfg.MaxHistoryBytes)
-	var disk progress.DiskCopy
-	if cfg.PersistDir != "" {
-		s.persister = persist.New(persist.Config{
-			Dir:      cfg.PersistDir,
-			Store:    s.store,
-			Interval: cfg.PersistInterval,
-			Logger:   s.lg.Named("persist"),
-			Metrics:  persist.NewMetrics(s.registry),
-		})
-		disk = diskCopy{s.persister}
-	}
-	// The follower proves etcd's history on every resume with the
-	// verifier, and the checker compares with the same one.
-	verifier := hashcheck.NewVerifier(s.store, pb.NewKVClient(s.own.ActiveConnection()), s.lg.Named("hashcheck"))
-	s.follower = progress.New(progress.Config{
-		Client:                  s.own,
-		Store:                   s.store,
-		Logger:                  s.lg.Named("follower"),
-		Metrics:                 progress.NewMetrics(s.registry),
-		LoadPageSize:            cfg.LoadPageSize,
-		CompactionProbeInterval: cfg.CompactionProbeInterval,
-		LoadRetainedHistory:     cfg.LoadRetainedHistory,
-		BeforeLoadPage:          cfg.BeforeLoadPage,
-		History:                 verifier,
-		Disk:                    disk,
 	})
-	s.gate.Connect(gate.Upstream{
-		Forwarding: s.client.ActiveConnection(),
-		Own:        s.own.ActiveConnection(),
-		Follower:   s.follower,
-	})
-	s.checker = hashcheck.New(hashcheck.Config{
-		Verifier:   verifier,
-		Follower:   s.follower,
-		Interval:   cfg.ConsistencyCheckInterval,
-		Logger:     s.lg.Named("hashcheck"),
-		Registerer: s.registry,
-	})
+}
+
+// registerMetrics registers the proxy's own gauges: readiness, the
+// upstream watch, the mode, and what /proxy/status says of the upstream.
+func (s *Server) registerMetrics() {
 	s.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "etcd_snapcache_ready",
 		Help: "1 while the proxy is ready, as /readyz reports: the cache answers for etcd (loaded, not reloading), the upstream watch is not lost, and the proxy is not stopping.",
@@ -191,41 +212,23 @@ func Start(cfg Config) (*Server, error) {
 		}, func() float64 { return boolGauge(s.mode() == m) }))
 	}
 	s.registerStatusMetrics()
+}
 
-	if err := s.listen(); err != nil {
-		return nil, err
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	s.cancel = cancel
+// startGate runs the gate's mirror of etcd's auth state until ctx is done,
+// and waits for it then, on a goroutine of the server.
+func (s *Server) startGate(ctx context.Context) {
 	s.gate.Start(ctx)
 	s.run(func() {
 		<-ctx.Done()
 		s.gate.Stop()
 	})
-	s.svc = s.newServices(ctx)
-	s.grpcServer = s.newGRPCServer(s.svc)
-	s.advertise()
-	if s.self, err = s.dialSelf(); err != nil {
-		return nil, err
-	}
-	endpoints, err := s.newHTTPEndpoints()
-	if err != nil {
-		return nil, err
-	}
-	var clientMux http.Handler = newHTTPMux(endpoints, cfg.EnablePprof)
-	if cfg.EnableGRPCGateway {
-		if s.gateway, err = s.newGateway(); err != nil {
-			return nil, err
-		}
-		clientMux = s.gateway.wrap(clientMux)
-	}
-	if err := s.serveClientPort(s.grpcServer, clientMux); err != nil {
-		return nil, err
-	}
-	if s.metricsLis != nil {
-		s.metricsHTTP = s.newHTTPServer(newHTTPMux(endpoints, false))
-		s.serve("metrics", func() error { return s.metricsHTTP.Serve(s.metricsLis) })
-	}
+}
+
+// runBackground runs the server's loops until ctx is done, each on a
+// goroutine of the server: the lease keepalive coalescers, the checker,
+// the follower (which loads the cache), the persister, readiness, and the
+// memory limit.
+func (s *Server) runBackground(ctx context.Context) {
 	s.run(func() { s.svc.lease.ka.run() })
 	s.run(func() { s.svc.lease.asProxyKA.run() })
 	s.run(func() { s.checker.Run(ctx) })
@@ -235,15 +238,6 @@ func Start(cfg Config) (*Server, error) {
 	}
 	s.run(func() { s.followReadiness(ctx) })
 	s.startMemoryLimit(ctx)
-	ok = true
-	// grpc-proxy's words: tooling (etcd's e2e framework) waits for them.
-	s.lg.Info("started gRPC proxy",
-		zap.String("listen-addr", s.clientLis.Addr().String()),
-		zap.Bool("tls", s.tls != nil),
-		zap.String("metrics-addr", s.MetricsAddr()),
-		zap.Strings("upstream", cfg.Endpoints),
-		zap.Strings("advertise-client-urls", s.advertiseURLs()))
-	return s, nil
 }
 
 func boolGauge(b bool) float64 {
