@@ -35,6 +35,7 @@ import (
 
 	"github.com/etcd-snapcache/etcd-snapcache/authcache"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/coalesce"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/kvcheck"
 )
 
 // Where each caller's requests are checked:
@@ -116,10 +117,7 @@ type Config struct {
 	// FreshnessTimeout bounds how long a request waits for etcd's users
 	// and roles.
 	FreshnessTimeout time.Duration
-	// ValidateWrite is etcd's validation of a write, which etcd runs
-	// before its permission check; nil: none.
-	ValidateWrite func(req any) error
-	Logger        *zap.Logger
+	Logger           *zap.Logger
 }
 
 // Upstream is what the gate asks etcd through, and the follower whose
@@ -146,7 +144,8 @@ type Gate struct {
 	jwt        auth.TokenProvider // nil: simple tokens
 	tokens     *tokens            // the callers' tokens the proxy can attribute
 
-	// Set by Connect, before any request.
+	// Set by Connect (server's Start, once the connections exist), before
+	// any request.
 	follower Follower
 	// mirror follows etcd's auth state: the gate runs it (Start) and
 	// tells it what requests through the proxy showed (AuthServer).
@@ -173,9 +172,6 @@ type Gate struct {
 func New(cfg Config) (*Gate, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
-	}
-	if cfg.ValidateWrite == nil {
-		cfg.ValidateWrite = func(any) error { return nil }
 	}
 	g := &Gate{cfg: cfg, lg: cfg.Logger, tokens: newTokens()}
 	var err error
@@ -532,7 +528,8 @@ func (g *Gate) admit(ctx context.Context, method string) (_ context.Context, che
 // checkForwarded is etcd's check of a request the proxy sends to etcd as
 // itself, with the upstream release's rules, at a fresh auth revision.
 func (g *Gate) checkForwarded(ctx context.Context, c Caller, method string, req any) error {
-	if err := g.cfg.ValidateWrite(req); err != nil {
+	// etcd validates a write before it checks permissions.
+	if err := kvcheck.Write(req); err != nil {
 		return err
 	}
 	chk, id, err := g.authFor(ctx, c, true)

@@ -1,7 +1,6 @@
 package hashcheck
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -11,13 +10,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
-	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
-	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/broadcast"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/etcderr"
-	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
 
 // DefaultInterval between periodic checks.
@@ -37,17 +33,12 @@ type Follower interface {
 	Reload(reason string)
 }
 
-// Store is what the checker reads of the cache (revtree.Store).
-type Store interface {
-	View(rev int64) (revtree.View, error)
-}
-
 // Config configures a Checker.
 type Config struct {
-	Store    Store
+	// Verifier compares the cache with etcd; the follower's checks of
+	// etcd's history use the same one.
+	Verifier *Verifier
 	Follower Follower
-	// Upstream is etcd's KV service.
-	Upstream pb.KVClient
 	// Interval between periodic checks (0: none; Run returns at once).
 	Interval   time.Duration
 	Logger     *zap.Logger
@@ -73,9 +64,6 @@ type Checker struct {
 	// check waits for the reload that follows.
 	failedAt atomic.Int64
 	failed   chan struct{} // buffered 1: wakes Run after a failed check made by Check's other callers
-	// pageSize is the number of the cache's keys in each chunk read from
-	// etcd (viewEntries); tests make it small.
-	pageSize int
 }
 
 // New returns a Checker; call Run to check periodically.
@@ -83,7 +71,7 @@ func New(cfg Config) *Checker {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
-	c := &Checker{cfg: cfg, lg: cfg.Logger, failed: make(chan struct{}, 1), pageSize: pageSize}
+	c := &Checker{cfg: cfg, lg: cfg.Logger, failed: make(chan struct{}, 1)}
 	c.checks = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "etcd_snapcache_consistency_checks_total",
 		Help: "Checks of the cache against etcd, by result (success, failure, error).",
@@ -159,96 +147,18 @@ func (c *Checker) waitReload(ctx context.Context) bool {
 
 var errNotReady = errors.New("hashcheck: the cache is not loaded")
 
-// SameHistory reports whether etcd's keys and mod revisions at rev are the
-// store's: the follower's check of etcd's history on a resume. It changes
-// no state of the checker.
-func (c *Checker) SameHistory(ctx context.Context, rev int64) (bool, error) {
-	view, err := c.cfg.Store.View(rev)
-	if err != nil {
-		return false, fmt.Errorf("the cache's revision %d: %w", rev, err)
-	}
-	res, err := Compare(rev, cacheEntries(view), viewEntries(ctx, c.cfg.Upstream, view, rev, c.pageSize))
-	if err != nil {
-		return false, err
-	}
-	if !res.Match() {
-		c.lg.Warn("etcd's history differs from the cache's", zap.Int64("revision", rev), zap.String("first-difference", res.FirstDiff))
-	}
-	return res.Match(), nil
-}
-
-// SameHistoryAhead is SameHistory for a store being restored from a copy
-// on disk: it reads etcd's keys at rev, in chunks cut at bounds (keys of
-// the copy), while restored runs, and compares them with the store's
-// once it has returned. It returns restored's error, if any.
-func (c *Checker) SameHistoryAhead(ctx context.Context, rev int64, bounds [][]byte, restored func() error) (bool, error) {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	type fetched struct {
-		entries []Entry
-		err     error
-	}
-	got := make(chan fetched, 1)
-	go func() {
-		var f fetched
-		for e, err := range boundsEntries(ctx, c.cfg.Upstream, bounds, rev, c.pageSize) {
-			if err != nil {
-				f.err = err
-				break
-			}
-			f.entries = append(f.entries, e)
-		}
-		got <- f
-	}()
-	if err := restored(); err != nil {
-		cancel()
-		<-got
-		return false, err
-	}
-	view, err := c.cfg.Store.View(rev)
-	if err != nil {
-		cancel()
-		<-got
-		return false, fmt.Errorf("the cache's revision %d: %w", rev, err)
-	}
-	f := <-got
-	if f.err != nil {
-		return false, f.err
-	}
-	// Side by side, without hashing: only whether they are the same
-	// matters here, and at a million keys the hashes cost most of a
-	// second the proxy is not ready for.
-	i, diff := 0, ""
-	view.Ascend([]byte{0}, nil, func(kv *mvccpb.KeyValue) bool {
-		switch {
-		case i == len(f.entries):
-			diff = fmt.Sprintf("%q only in the copy", kv.Key)
-		case !bytes.Equal(kv.Key, f.entries[i].Key) || kv.ModRevision != f.entries[i].ModRevision:
-			diff = fmt.Sprintf("the copy has %q at %d, etcd %q at %d", kv.Key, kv.ModRevision, f.entries[i].Key, f.entries[i].ModRevision)
-		}
-		i++
-		return diff == ""
-	})
-	if diff == "" && i < len(f.entries) {
-		diff = fmt.Sprintf("%q only in etcd", f.entries[i].Key)
-	}
-	if diff != "" {
-		c.lg.Warn("etcd's history differs from the copy's on disk", zap.Int64("revision", rev), zap.String("first-difference", diff))
-	}
-	return diff == "", nil
-}
-
 // Check compares the cache with etcd now, at the cache's revision, and
 // enters or lifts the fallback accordingly.
 func (c *Checker) Check(ctx context.Context) (Result, error) {
 	if !c.cfg.Follower.IsReady() {
 		return Result{}, errNotReady
 	}
-	view, err := c.cfg.Store.View(0)
+	v := c.cfg.Verifier
+	view, err := v.store.View(0)
 	if err != nil {
 		return Result{}, err
 	}
-	res, err := Compare(view.Rev, cacheEntries(view), viewEntries(ctx, c.cfg.Upstream, view, view.Rev, c.pageSize))
+	res, err := v.compare(ctx, view, view.Rev)
 	if etcderr.Is(err, rpctypes.ErrFutureRev) {
 		// A linearizable read found etcd's head below the cache's
 		// revision: etcd's history is not the cache's.

@@ -34,7 +34,7 @@ func (readyFollower) Reload(string)            {}
 // TestBoundedWalkAgainstEtcd: against a real etcd, reading in chunks cut
 // at the cache's keys gives the Result of reading in pages to the end of
 // the keyspace, for caches that match etcd at the revision and caches that
-// differ from it in every way, with chunks of every size; and a Checker
+// differ from it in every way, with chunks of every size; and a Verifier
 // reading in chunks tells them apart, also while the store is restored
 // (SameHistoryAhead).
 func TestBoundedWalkAgainstEtcd(t *testing.T) {
@@ -133,9 +133,9 @@ func TestBoundedWalkAgainstEtcd(t *testing.T) {
 				if got.Match() != tc.match {
 					t.Fatalf("page %d: match %v (%q), want %v", page, got.Match(), got.FirstDiff, tc.match)
 				}
-				c := hashcheck.New(hashcheck.Config{Store: storeOf(tc.cache), Follower: readyFollower{}, Upstream: kv})
-				c.SetPageSize(page)
-				if same, err := c.SameHistory(ctx, rev); err != nil || same != tc.match {
+				v := hashcheck.NewVerifier(storeOf(tc.cache), kv, nil)
+				v.SetPageSize(page)
+				if same, err := v.SameHistory(ctx, rev); err != nil || same != tc.match {
 					t.Fatalf("page %d: SameHistory %v, %v; want %v", page, same, err, tc.match)
 				}
 				// A store still being restored, its etcd keys read in
@@ -151,9 +151,9 @@ func TestBoundedWalkAgainstEtcd(t *testing.T) {
 				slices.SortFunc(bounds, bytes.Compare)
 				bounds = slices.CompactFunc(bounds, bytes.Equal)
 				restoring := revtree.New(0)
-				c = hashcheck.New(hashcheck.Config{Store: restoring, Follower: readyFollower{}, Upstream: kv})
-				c.SetPageSize(page)
-				same, err := c.SameHistoryAhead(ctx, rev, bounds, func() error {
+				v = hashcheck.NewVerifier(restoring, kv, nil)
+				v.SetPageSize(page)
+				same, err := v.SameHistoryAhead(ctx, rev, bounds, func() error {
 					restoring.Reset(rev, tc.cache, 0)
 					return nil
 				})
@@ -172,8 +172,9 @@ func TestBoundedWalkAgainstEtcd(t *testing.T) {
 	}
 	ahead := revtree.New(0)
 	ahead.Reset(head.Header.Revision+50, etcdKVs, 0)
-	c := hashcheck.New(hashcheck.Config{Store: ahead, Follower: readyFollower{}, Upstream: kv})
-	c.SetPageSize(3)
+	v := hashcheck.NewVerifier(ahead, kv, nil)
+	v.SetPageSize(3)
+	c := hashcheck.New(hashcheck.Config{Verifier: v, Follower: readyFollower{}})
 	res, err := c.Check(ctx)
 	if err != nil || res.Match() || !strings.Contains(res.FirstDiff, "etcd's head is below the cache's revision") {
 		t.Fatalf("Check of a cache ahead of etcd: %+v, %v", res, err)
@@ -196,9 +197,9 @@ func TestSameHistoryAheadRestoreFails(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := hashcheck.New(hashcheck.Config{Store: revtree.New(0), Follower: readyFollower{}, Upstream: kv})
+	v := hashcheck.NewVerifier(revtree.New(0), kv, nil)
 	damaged := errors.New("damaged")
-	if _, err := c.SameHistoryAhead(ctx, resp.Header.Revision, [][]byte{[]byte("a")}, func() error { return damaged }); !errors.Is(err, damaged) {
+	if _, err := v.SameHistoryAhead(ctx, resp.Header.Revision, [][]byte{[]byte("a")}, func() error { return damaged }); !errors.Is(err, damaged) {
 		t.Fatalf("SameHistoryAhead with a failed restore: %v, want %v", err, damaged)
 	}
 }

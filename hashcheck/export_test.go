@@ -25,6 +25,6 @@ func UnboundedEntries(ctx context.Context, kv pb.KVClient, rev int64, page int) 
 // CacheEntries is cacheEntries.
 func CacheEntries(v revtree.View) iter.Seq2[Entry, error] { return cacheEntries(v) }
 
-// SetPageSize sets the number of the cache's keys in each chunk c reads
+// SetPageSize sets the number of the cache's keys in each chunk v reads
 // from etcd.
-func (c *Checker) SetPageSize(n int) { c.pageSize = n }
+func (v *Verifier) SetPageSize(n int) { v.pageSize = n }

@@ -160,7 +160,7 @@ func TestCheckerFallsBackAndRecovers(t *testing.T) {
 	store.Reset(5, []*mvccpb.KeyValue{kv("a", 2), kv("b", 5)}, 0)
 	etcd := &fakeEtcd{kvs: []*mvccpb.KeyValue{kv("a", 2), kv("b", 4)}}
 	f := &fakeFollower{}
-	c := New(Config{Store: store, Follower: f, Upstream: etcd})
+	c := New(Config{Verifier: NewVerifier(store, etcd, nil), Follower: f})
 
 	res, err := c.Check(context.Background())
 	if err != nil || res.Match() || !c.Fallback() {

@@ -267,7 +267,7 @@ func TestBoundedWalkCountsEachKeyOnce(t *testing.T) {
 	}
 }
 
-// TestSameHistoryBounded: the checker walks etcd in chunks of its page
+// TestSameHistoryBounded: the verifier walks etcd in chunks of its page
 // size and tells a matching etcd from a differing one.
 func TestSameHistoryBounded(t *testing.T) {
 	var kvs []*mvccpb.KeyValue
@@ -277,21 +277,22 @@ func TestSameHistoryBounded(t *testing.T) {
 	store := revtree.New(0)
 	store.Reset(walkRev, kvs, 0)
 	etcd := &fakeEtcd{kvs: slices.Clone(kvs)}
-	c := New(Config{Store: store, Follower: &fakeFollower{}, Upstream: etcd})
-	c.pageSize = 3
+	v := NewVerifier(store, etcd, nil)
+	v.pageSize = 3
+	c := New(Config{Verifier: v, Follower: &fakeFollower{}})
 	ctx := context.Background()
-	if same, err := c.SameHistory(ctx, walkRev); err != nil || !same {
+	if same, err := v.SameHistory(ctx, walkRev); err != nil || !same {
 		t.Fatalf("SameHistory against a matching etcd: %v, %v", same, err)
 	}
 	if r := etcd.ranges.Load(); r != 4 {
 		t.Fatalf("SameHistory asked %d Ranges, want 4 (chunks of 3 keys of 10)", r)
 	}
 	etcd.kvs[6] = mkKV("k06", 900)
-	if same, err := c.SameHistory(ctx, walkRev); err != nil || same {
+	if same, err := v.SameHistory(ctx, walkRev); err != nil || same {
 		t.Fatalf("SameHistory against a differing etcd: %v, %v", same, err)
 	}
 	etcd.kvs[6], etcd.failAt = kvs[6], etcd.ranges.Load()+2
-	if same, err := c.SameHistory(ctx, walkRev); !errors.Is(err, errFake) || same {
+	if same, err := v.SameHistory(ctx, walkRev); !errors.Is(err, errFake) || same {
 		t.Fatalf("SameHistory against a failing etcd: %v, %v; want %v", same, err, errFake)
 	}
 	if res, err := c.Check(ctx); err != nil || !res.Match() || res.Keys != 10 {

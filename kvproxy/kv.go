@@ -17,6 +17,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/kvcheck"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
@@ -248,7 +249,7 @@ func (s *Server) serveRange(ctx context.Context, r *pb.RangeRequest, encode bool
 	if err := s.checkLeader(ctx); err != nil {
 		return nil, nil, err
 	}
-	if err := checkRangeRequest(r); err != nil {
+	if err := kvcheck.Range(r); err != nil {
 		return nil, nil, err
 	}
 	// Every revision the proxy has answered at so far is at most the
@@ -435,21 +436,6 @@ func (s *Server) checkLeader(ctx context.Context) error {
 	}
 	if lost, _ := s.follower.LeaderLost(); lost {
 		return rpctypes.ErrGRPCNoLeader
-	}
-	return nil
-}
-
-// checkRangeRequest is etcd's validation (api/v3rpc/key.go): the first
-// thing its handler does, after the interceptor's leader check.
-func checkRangeRequest(r *pb.RangeRequest) error {
-	if len(r.Key) == 0 {
-		return rpctypes.ErrGRPCEmptyKey
-	}
-	if _, ok := pb.RangeRequest_SortOrder_name[int32(r.SortOrder)]; !ok {
-		return rpctypes.ErrGRPCInvalidSortOption
-	}
-	if _, ok := pb.RangeRequest_SortTarget_name[int32(r.SortTarget)]; !ok {
-		return rpctypes.ErrGRPCInvalidSortOption
 	}
 	return nil
 }

@@ -15,6 +15,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 
 	"github.com/etcd-snapcache/etcd-snapcache/gate"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/kvcheck"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
 )
@@ -196,7 +197,7 @@ func (s *Server) relayRangeStream(r *pb.RangeRequest, stream grpc.ServerStreamin
 // checkRangeStreamRequest is etcd's validation of a RangeStream request:
 // Range's, then no custom order and no revision filters.
 func checkRangeStreamRequest(r *pb.RangeRequest) error {
-	if err := checkRangeRequest(r); err != nil {
+	if err := kvcheck.Range(r); err != nil {
 		return err
 	}
 	if !revtree.KeyOrdered(r) {

@@ -25,9 +25,10 @@ func BenchmarkAppend(b *testing.B) {
 	}
 	rev := int64(keys + 1)
 	st.Reset(rev, kvs, 0)
-	p := New(Config{Dir: b.TempDir(), Store: st, Source: newServingSource(7)})
+	src := newServingSource(7)
+	p := New(Config{Dir: b.TempDir(), Store: st})
 	defer p.close()
-	if err := p.Flush(); err != nil {
+	if err := p.Flush(src); err != nil {
 		b.Fatal(err)
 	}
 	versions := make([]int64, keys)
@@ -48,7 +49,7 @@ func BenchmarkAppend(b *testing.B) {
 			n++
 		}
 		b.StartTimer()
-		if err := p.Flush(); err != nil {
+		if err := p.Flush(src); err != nil {
 			b.Fatal(err)
 		}
 	}

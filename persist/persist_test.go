@@ -376,7 +376,7 @@ func restoreInto(t testing.TB, dir string, budget int64) (*revtree.Store, uint64
 	t.Helper()
 	st := revtree.New(0)
 	st.SetMaxHistoryBytes(budget)
-	r := New(Config{Dir: dir, Store: st, Source: newFakeSource(false, 0)})
+	r := New(Config{Dir: dir, Store: st})
 	cluster, ok := restoreCopy(context.Background(), r)
 	r.close()
 	return st, cluster, ok
@@ -392,9 +392,9 @@ func mustRestore(t testing.TB, dir string, cluster uint64) *revtree.Store {
 	return st
 }
 
-func mustFlush(t testing.TB, p *Persister) {
+func mustFlush(t testing.TB, p *Persister, src Source) {
 	t.Helper()
-	if err := p.Flush(); err != nil {
+	if err := p.Flush(src); err != nil {
 		t.Fatalf("Flush: %v", err)
 	}
 	if err := p.Failing(); err != nil {
@@ -547,19 +547,20 @@ func TestRoundTrip(t *testing.T) {
 	h.steps(30)
 	reg := prometheus.NewRegistry()
 	m := NewMetrics(reg)
-	p := New(Config{Dir: dir, Store: st, Source: newFakeSource(true, 7), Metrics: m})
+	src := newFakeSource(true, 7)
+	p := New(Config{Dir: dir, Store: st, Metrics: m})
 	if gauge(t, reg, "etcd_snapcache_disk_revision") != 0 {
 		t.Errorf("disk revision before the first write is not 0")
 	}
-	mustFlush(t, p)
+	mustFlush(t, p, src)
 	first := stat(t, p.Path())
 	if got := gauge(t, reg, "etcd_snapcache_disk_revision"); got != float64(h.rev) {
 		t.Errorf("disk revision %v, want %d", got, h.rev)
 	}
 	h.steps(40)
 	h.advance(3)
-	mustFlush(t, p)
-	mustFlush(t, p) // nothing new: nothing to write
+	mustFlush(t, p, src)
+	mustFlush(t, p, src) // nothing new: nothing to write
 	if !os.SameFile(first, stat(t, p.Path())) {
 		t.Errorf("the second write replaced the copy rather than append to it")
 	}
@@ -583,7 +584,8 @@ func TestRoundTrip(t *testing.T) {
 	// Persister that restored it appends to it.
 	fresh := revtree.New(0)
 	m2 := NewMetrics(prometheus.NewRegistry())
-	p2 := New(Config{Dir: dir, Store: fresh, Source: newFakeSource(true, 7), Metrics: m2})
+	src2 := newFakeSource(true, 7)
+	p2 := New(Config{Dir: dir, Store: fresh, Metrics: m2})
 	hdr, ok := p2.Open(context.Background())
 	if !ok {
 		t.Fatal("Open: no copy")
@@ -608,7 +610,7 @@ func TestRoundTrip(t *testing.T) {
 	before := stat(t, p2.Path())
 	h.stores = append(h.stores, fresh)
 	h.steps(20)
-	mustFlush(t, p2)
+	mustFlush(t, p2, src2)
 	if got := counter(t, m2.writes, "rewrite", "ok"); got != 0 {
 		t.Errorf("%v whole copies after a restore, want 0: the copy is continued", got)
 	}
@@ -634,19 +636,20 @@ func TestFoldCompacted(t *testing.T) {
 	h := newHistory(t, 2, st)
 	h.load(100, 100, "k")
 	m := NewMetrics(prometheus.NewRegistry())
-	p := New(Config{Dir: dir, Store: st, Source: newFakeSource(true, 7), Metrics: m})
+	src := newFakeSource(true, 7)
+	p := New(Config{Dir: dir, Store: st, Metrics: m})
 	h.steps(20)
-	mustFlush(t, p)
+	mustFlush(t, p, src)
 	first := stat(t, p.Path())
 	h.steps(40)
-	mustFlush(t, p)
+	mustFlush(t, p, src)
 	compactAt := h.rev - 25
 	st.Compact(compactAt)
 	if st.HistoryStart() <= 101+20 {
 		t.Fatalf("the compaction at %d left history from %d: the test tests nothing", compactAt, st.HistoryStart())
 	}
 	h.steps(5)
-	mustFlush(t, p)
+	mustFlush(t, p, src)
 	if !os.SameFile(first, stat(t, p.Path())) || counter(t, m.writes, "rewrite", "ok") != 1 {
 		t.Errorf("the fold rewrote the copy (%v whole copies) rather than append to it", counter(t, m.writes, "rewrite", "ok"))
 	}
@@ -676,12 +679,13 @@ func TestFoldBudget(t *testing.T) {
 	h := newHistory(t, 3, st)
 	h.load(100, 100, "k")
 	m := NewMetrics(prometheus.NewRegistry())
-	p := New(Config{Dir: dir, Store: st, Source: newFakeSource(true, 7), Metrics: m})
-	mustFlush(t, p)
+	src := newFakeSource(true, 7)
+	p := New(Config{Dir: dir, Store: st, Metrics: m})
+	mustFlush(t, p, src)
 	first := stat(t, p.Path())
 	for range 25 {
 		h.steps(8)
-		mustFlush(t, p)
+		mustFlush(t, p, src)
 	}
 	if st.HistoryTrimmed() == 0 || st.HistoryStart() <= 150 {
 		t.Fatalf("the budget left history from %d: the test tests nothing", st.HistoryStart())
@@ -712,15 +716,16 @@ func TestRewriteWhenHistoryOutranTheCopy(t *testing.T) {
 	h := newHistory(t, 4, st)
 	h.load(100, 50, "k")
 	m := NewMetrics(prometheus.NewRegistry())
-	p := New(Config{Dir: dir, Store: st, Source: newFakeSource(true, 7), Metrics: m})
-	mustFlush(t, p)
+	src := newFakeSource(true, 7)
+	p := New(Config{Dir: dir, Store: st, Metrics: m})
+	mustFlush(t, p, src)
 	first := stat(t, p.Path())
 	diskRev := h.rev
 	h.steps(200)
 	if st.HistoryStart() <= diskRev+1 {
 		t.Fatalf("history from %d, the copy up to %d: the test tests nothing", st.HistoryStart(), diskRev)
 	}
-	mustFlush(t, p)
+	mustFlush(t, p, src)
 	if os.SameFile(first, stat(t, p.Path())) || counter(t, m.writes, "rewrite", "ok") != 2 {
 		t.Errorf("%v whole copies, want 2, the second replacing the file", counter(t, m.writes, "rewrite", "ok"))
 	}
@@ -754,8 +759,9 @@ func TestNewGeneration(t *testing.T) {
 			h.load(100, 50, "old")
 			h.steps(30)
 			m := NewMetrics(prometheus.NewRegistry())
-			p := New(Config{Dir: dir, Store: st, Source: newFakeSource(true, 7), Metrics: m})
-			mustFlush(t, p)
+			src := newFakeSource(true, 7)
+			p := New(Config{Dir: dir, Store: st, Metrics: m})
+			mustFlush(t, p, src)
 			first := stat(t, p.Path())
 			gen := st.Generation()
 
@@ -767,7 +773,7 @@ func TestNewGeneration(t *testing.T) {
 			if st.Generation() == gen {
 				t.Fatal("Reset did not start a generation")
 			}
-			mustFlush(t, p)
+			mustFlush(t, p, src)
 			p.close()
 			if os.SameFile(first, stat(t, p.Path())) {
 				t.Errorf("the copy of the new generation was not written whole: the file was not replaced")
@@ -795,8 +801,9 @@ func TestNewGeneration(t *testing.T) {
 func TestNotServing(t *testing.T) {
 	t.Run("unloaded", func(t *testing.T) {
 		dir := filepath.Join(t.TempDir(), "snapcache")
-		p := New(Config{Dir: dir, Store: revtree.New(0), Source: newFakeSource(false, 0)})
-		if err := p.Flush(); err != nil {
+		src := newFakeSource(false, 0)
+		p := New(Config{Dir: dir, Store: revtree.New(0)})
+		if err := p.Flush(src); err != nil {
 			t.Errorf("Flush of a store never loaded nor served: %v", err)
 		}
 		if err := p.Failing(); err != nil {
@@ -812,14 +819,14 @@ func TestNotServing(t *testing.T) {
 		h.load(100, 20, "k")
 		h.steps(5)
 		src := newFakeSource(false, 7)
-		p := New(Config{Dir: dir, Store: st, Source: src})
-		mustFlush(t, p)
-		mustFlush(t, p)
+		p := New(Config{Dir: dir, Store: st})
+		mustFlush(t, p, src)
+		mustFlush(t, p, src)
 		absent(t, dir)
 		// Serving with no cluster known yet is not serving a history.
 		src.serving.Store(true)
 		src.cluster.Store(0)
-		mustFlush(t, p)
+		mustFlush(t, p, src)
 		absent(t, dir)
 		p.close()
 	})
@@ -829,19 +836,19 @@ func TestNotServing(t *testing.T) {
 		h := newHistory(t, 7, st)
 		h.load(100, 20, "k")
 		src := newFakeSource(true, 7)
-		p := New(Config{Dir: dir, Store: st, Source: src})
-		mustFlush(t, p)
+		p := New(Config{Dir: dir, Store: st})
+		mustFlush(t, p, src)
 		first := stat(t, p.Path())
 		h.steps(10)
 		src.serving.Store(false) // the follower stops: a clean stop writes the last revisions
-		mustFlush(t, p)
+		mustFlush(t, p, src)
 		stoppedRev := h.rev
 		stopped, _ := h.keyspaceAt(stoppedRev)
 
 		// A reload while not serving: the new generation never served.
 		h.load(h.rev+10, 20, "other")
 		h.steps(3)
-		mustFlush(t, p)
+		mustFlush(t, p, src)
 		p.close()
 		if !os.SameFile(first, stat(t, p.Path())) {
 			t.Errorf("a generation that never served replaced the copy")
@@ -864,12 +871,12 @@ func TestClusterChange(t *testing.T) {
 	h := newHistory(t, 8, st)
 	h.load(100, 20, "k")
 	src := newFakeSource(true, 7)
-	p := New(Config{Dir: dir, Store: st, Source: src})
-	mustFlush(t, p)
+	p := New(Config{Dir: dir, Store: st})
+	mustFlush(t, p, src)
 	first := stat(t, p.Path())
 	h.steps(5)
 	src.cluster.Store(8)
-	mustFlush(t, p)
+	mustFlush(t, p, src)
 	p.close()
 	if os.SameFile(first, stat(t, p.Path())) {
 		t.Errorf("the copy of cluster 8 was appended to cluster 7's")
@@ -889,8 +896,9 @@ func writeTestCopy(t testing.TB, dir string) *revtree.Store {
 		{Key: []byte("a"), Value: []byte("precious-kv-value-0123456789"), CreateRevision: 5, ModRevision: 5, Version: 1},
 		{Key: []byte("b"), Value: []byte("b-value"), CreateRevision: 6, ModRevision: 8, Version: 2, Lease: 99},
 	}, 0)
-	p := New(Config{Dir: dir, Store: st, Source: newFakeSource(true, 7)})
-	mustFlush(t, p)
+	src := newFakeSource(true, 7)
+	p := New(Config{Dir: dir, Store: st})
+	mustFlush(t, p, src)
 	for _, ev := range []*mvccpb.Event{
 		{Type: mvccpb.PUT, Kv: &mvccpb.KeyValue{Key: []byte("c"), Value: []byte("precious-event-value-0123456789"), CreateRevision: 11, ModRevision: 11, Version: 1}},
 		{Type: mvccpb.PUT, Kv: &mvccpb.KeyValue{Key: []byte("b"), Value: []byte("b-value-2"), CreateRevision: 6, ModRevision: 12, Version: 3}},
@@ -900,7 +908,7 @@ func writeTestCopy(t testing.TB, dir string) *revtree.Store {
 		}
 	}
 	st.Advance(15)
-	mustFlush(t, p)
+	mustFlush(t, p, src)
 	p.close()
 	return st
 }
@@ -1050,7 +1058,7 @@ func TestDamagedCopy(t *testing.T) {
 			st := revtree.New(0)
 			src := newFakeSource(false, 0)
 			m := NewMetrics(prometheus.NewRegistry())
-			p := New(Config{Dir: dir, Store: st, Source: src, Metrics: m})
+			p := New(Config{Dir: dir, Store: st, Metrics: m})
 			if cluster, ok := restoreCopy(context.Background(), p); ok {
 				t.Fatalf("Restore of a damaged copy: %d, %v", cluster, ok)
 			}
@@ -1069,7 +1077,7 @@ func TestDamagedCopy(t *testing.T) {
 			h.steps(3)
 			src.cluster.Store(9)
 			src.serve()
-			mustFlush(t, p)
+			mustFlush(t, p, src)
 			p.close()
 			restored := mustRestore(t, dir, 9)
 			sameStore(t, "restored after a damaged copy", st, restored)
@@ -1099,7 +1107,7 @@ func TestRefused(t *testing.T) {
 	st := revtree.New(0)
 	src := newFakeSource(false, 0)
 	m := NewMetrics(prometheus.NewRegistry())
-	p := New(Config{Dir: dir, Store: st, Source: src, Metrics: m})
+	p := New(Config{Dir: dir, Store: st, Metrics: m})
 	if _, ok := restoreCopy(context.Background(), p); !ok {
 		t.Fatal("no restore")
 	}
@@ -1112,7 +1120,7 @@ func TestRefused(t *testing.T) {
 	h.load(300, 10, "k")
 	src.cluster.Store(8)
 	src.serve()
-	mustFlush(t, p)
+	mustFlush(t, p, src)
 	if got := counter(t, m.writes, "rewrite", "ok"); got != 1 {
 		t.Errorf("%v whole copies after a refused restore, want 1", got)
 	}
@@ -1129,15 +1137,16 @@ func TestReleaseResume(t *testing.T) {
 	h := newHistory(t, 11, st)
 	h.load(100, 20, "k")
 	m := NewMetrics(prometheus.NewRegistry())
-	p := New(Config{Dir: dir, Store: st, Source: newFakeSource(true, 7), Metrics: m})
-	mustFlush(t, p)
+	src := newFakeSource(true, 7)
+	p := New(Config{Dir: dir, Store: st, Metrics: m})
+	mustFlush(t, p, src)
 	h.steps(10)
-	if err := p.Release(); err != nil {
+	if err := p.Release(src); err != nil {
 		t.Fatal(err)
 	}
 	released := h.rev
 	h.steps(5)
-	mustFlush(t, p) // released: nothing is written
+	mustFlush(t, p, src) // released: nothing is written
 	// The new process restores what was released: the file is not locked.
 	restored := mustRestore(t, dir, 7)
 	if restored.Rev() != released {
@@ -1147,7 +1156,7 @@ func TestReleaseResume(t *testing.T) {
 
 	first := stat(t, p.Path())
 	p.Resume()
-	mustFlush(t, p)
+	mustFlush(t, p, src)
 	if os.SameFile(first, stat(t, p.Path())) || counter(t, m.writes, "rewrite", "ok") != 2 {
 		t.Errorf("the write after Resume was not a whole copy (%v whole copies)", counter(t, m.writes, "rewrite", "ok"))
 	}
@@ -1178,8 +1187,9 @@ func TestFullDisk(t *testing.T) {
 	h.load(100, 40, "k")
 	h.steps(10)
 	m := NewMetrics(prometheus.NewRegistry())
-	p := New(Config{Dir: dir, Store: st, Source: newFakeSource(true, 7), Metrics: m})
-	mustFlush(t, p)
+	src := newFakeSource(true, 7)
+	p := New(Config{Dir: dir, Store: st, Metrics: m})
+	mustFlush(t, p, src)
 	if size := stat(t, p.Path()).Size(); size > limit {
 		t.Fatalf("the first copy takes %d bytes, over the limit of %d: the test tests nothing", size, limit)
 	}
@@ -1193,7 +1203,7 @@ func TestFullDisk(t *testing.T) {
 	if err := syscall.Setrlimit(syscall.RLIMIT_FSIZE, &lowered); err != nil {
 		t.Fatal(err)
 	}
-	err := p.Flush()
+	err := p.Flush(src)
 	if err == nil {
 		t.Fatal("Flush past RLIMIT_FSIZE did not fail")
 	}
@@ -1206,7 +1216,7 @@ func TestFullDisk(t *testing.T) {
 	}
 	// The next write is a whole copy, which fails too, and leaves no
 	// half-written file.
-	if err := p.Flush(); err == nil {
+	if err := p.Flush(src); err == nil {
 		t.Fatal("a whole copy past RLIMIT_FSIZE did not fail")
 	} else {
 		t.Logf("whole copy past the limit: %v", err)
@@ -1228,7 +1238,7 @@ func TestFullDisk(t *testing.T) {
 	if err := syscall.Setrlimit(syscall.RLIMIT_FSIZE, &old); err != nil {
 		t.Fatal(err)
 	}
-	mustFlush(t, p)
+	mustFlush(t, p, src)
 	p.close()
 	sameStore(t, "restored after the disk took writes again", st, mustRestore(t, dir, 7))
 }
@@ -1243,9 +1253,10 @@ func TestReadOnlyDir(t *testing.T) {
 		st := revtree.New(0)
 		h := newHistory(t, 13, st)
 		h.load(100, 20, "k")
-		p := New(Config{Dir: dir, Store: st, Source: newFakeSource(true, 7)})
+		src := newFakeSource(true, 7)
+		p := New(Config{Dir: dir, Store: st})
 		defer p.close()
-		err := p.Flush()
+		err := p.Flush(src)
 		if err == nil || !strings.Contains(err.Error(), dir) {
 			t.Fatalf("Flush into a read-only directory: %v, want an error naming %s", err, dir)
 		}
@@ -1260,14 +1271,15 @@ func TestReadOnlyDir(t *testing.T) {
 		h := newHistory(t, 14, st)
 		h.load(100, 20, "k")
 		h.steps(5)
-		p := New(Config{Dir: dir, Store: st, Source: newFakeSource(true, 7)})
-		mustFlush(t, p)
+		src := newFakeSource(true, 7)
+		p := New(Config{Dir: dir, Store: st})
+		mustFlush(t, p, src)
 		copied := h.rev
 		copiedKeyspace, _ := h.keyspaceAt(copied)
 		p.close() // the copy is opened again, on the read-only directory
 		writable := testsupport.ReadOnly(t, dir)
 		h.steps(5)
-		err := p.Flush()
+		err := p.Flush(src)
 		if err == nil || !strings.Contains(err.Error(), dir) {
 			t.Fatalf("Flush into a read-only directory: %v, want an error naming %s", err, dir)
 		}
@@ -1276,7 +1288,7 @@ func TestReadOnlyDir(t *testing.T) {
 		}
 		// A reload: the whole copy it needs fails too.
 		h.load(h.rev+5, 10, "other")
-		if err := p.Flush(); err == nil || !strings.Contains(err.Error(), dir) {
+		if err := p.Flush(src); err == nil || !strings.Contains(err.Error(), dir) {
 			t.Fatalf("Flush into a read-only directory: %v, want an error naming %s", err, dir)
 		}
 		p.close()
@@ -1323,12 +1335,12 @@ func TestRun(t *testing.T) {
 		src := newFakeSource(false, 7)
 		reg := prometheus.NewRegistry()
 		m := NewMetrics(reg)
-		p := New(Config{Dir: dir, Store: st, Source: src, Metrics: m, Interval: 5 * time.Millisecond})
+		p := New(Config{Dir: dir, Store: st, Metrics: m, Interval: 5 * time.Millisecond})
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
-			p.Run(ctx)
+			p.Run(ctx, src)
 		}()
 		defer func() {
 			cancel()
@@ -1355,12 +1367,12 @@ func TestRun(t *testing.T) {
 		h.load(100, 20, "k")
 		src := newFakeSource(true, 7)
 		reg := prometheus.NewRegistry()
-		p := New(Config{Dir: dir, Store: st, Source: src, Metrics: NewMetrics(reg), Interval: time.Hour})
+		p := New(Config{Dir: dir, Store: st, Metrics: NewMetrics(reg), Interval: time.Hour})
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
-			p.Run(ctx)
+			p.Run(ctx, src)
 		}()
 		waitFor(t, src, "the first copy", func() bool { return gauge(t, reg, "etcd_snapcache_disk_revision") == 100 })
 		h.steps(10)
@@ -1385,7 +1397,7 @@ func TestRestoreKeepsAnUndamagedCopy(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		cancel()
 		fresh := revtree.New(0)
-		p := New(Config{Dir: dir, Store: fresh, Source: newFakeSource(false, 0)})
+		p := New(Config{Dir: dir, Store: fresh})
 		if _, ok := restoreCopy(ctx, p); ok {
 			t.Fatal("Restore with a cancelled context restored")
 		}
@@ -1407,7 +1419,7 @@ func TestRestoreKeepsAnUndamagedCopy(t *testing.T) {
 			t.Fatal(err)
 		}
 		fresh := revtree.New(0)
-		p := New(Config{Dir: dir, Store: fresh, Source: newFakeSource(false, 0)})
+		p := New(Config{Dir: dir, Store: fresh})
 		if _, ok := restoreCopy(context.Background(), p); ok {
 			t.Fatal("Restore of a copy another process holds restored")
 		}
@@ -1460,8 +1472,9 @@ func TestRewriteUndoesTheOldestRevision(t *testing.T) {
 	if st.OldestRev() != 12 || st.HistoryStart() != 12 {
 		t.Fatalf("oldest snapshot %d, history from %d; want 12, 12", st.OldestRev(), st.HistoryStart())
 	}
-	p := New(Config{Dir: dir, Store: st, Source: newFakeSource(true, 7)})
-	mustFlush(t, p)
+	src := newFakeSource(true, 7)
+	p := New(Config{Dir: dir, Store: st})
+	mustFlush(t, p, src)
 	p.close()
 	d := readDisk(t, p.Path())
 	want := renderKVs([]*mvccpb.KeyValue{kv("a", "a1", 3, 3, 1), kv("b", "b2", 4, 9, 2), kv("d", "d1", 5, 5, 1), kv("x", "x1", 11, 11, 1)})
@@ -1493,15 +1506,16 @@ func TestLargeCopy(t *testing.T) {
 	}
 	h.stores = []*revtree.Store{st}
 	h.steps(30)
-	p := New(Config{Dir: dir, Store: st, Source: newFakeSource(true, 7)})
-	mustFlush(t, p)
+	src := newFakeSource(true, 7)
+	p := New(Config{Dir: dir, Store: st})
+	mustFlush(t, p, src)
 	p.close()
 	d := readDisk(t, p.Path())
 	if d.state != (state{cluster: 7, base: 100, rev: 130}) || len(d.revs) != 30 || strings.Count(d.kvs, "\n")+1 != len(kvs) {
 		t.Errorf("on disk: %+v, %d revisions, %d keys", d.state, len(d.revs), strings.Count(d.kvs, "\n")+1)
 	}
 	// Every BoundsEvery-th key of the copy, in key order.
-	r := New(Config{Dir: dir, Store: revtree.New(0), Source: newFakeSource(false, 0)})
+	r := New(Config{Dir: dir, Store: revtree.New(0)})
 	hdr, ok := r.Open(context.Background())
 	r.close()
 	if !ok || len(hdr.Bounds) != 2 || !bytes.Equal(hdr.Bounds[0], kvs[0].Key) || !bytes.Equal(hdr.Bounds[1], kvs[BoundsEvery].Key) {

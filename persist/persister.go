@@ -61,7 +61,9 @@ type Store interface {
 }
 
 // Source tells whether the store answers for etcd, and for which cluster
-// (a *progress.Follower): only a history the proxy serves is copied.
+// (a *progress.Follower): only a history the proxy serves is copied. It is
+// given to each call that copies the store (Run, Flush, Release), not to
+// New: the follower is built after the persister, which it restores from.
 type Source interface {
 	// Ready is closed when the store first serves.
 	Ready() <-chan struct{}
@@ -72,9 +74,8 @@ type Source interface {
 // Config configures a Persister.
 type Config struct {
 	// Dir is the directory of the copy, created if missing.
-	Dir    string
-	Store  Store
-	Source Source
+	Dir   string
+	Store Store
 	// Interval between writes; DefaultInterval if 0.
 	Interval time.Duration
 	// Logger; zap.NewNop() if nil.
@@ -132,23 +133,23 @@ func New(cfg Config) *Persister {
 // Path is the copy's file.
 func (p *Persister) Path() string { return p.path }
 
-// Run brings the copy up to date when the store first serves and then
-// every interval until ctx is done, then once more, so that a clean stop
-// leaves the latest copy, and closes the file.
-func (p *Persister) Run(ctx context.Context) {
+// Run brings the copy up to date when src first serves and then every
+// interval until ctx is done, then once more, so that a clean stop leaves
+// the latest copy, and closes the file.
+func (p *Persister) Run(ctx context.Context, src Source) {
 	defer p.close()
 	bo := backoff.New(minRetryPause, maxRetryPause)
 	// The first copy as soon as the store serves: a stop before the
 	// first interval then finds a copy to continue.
 	t := time.NewTimer(p.cfg.Interval)
 	t.Stop()
-	ready := p.cfg.Source.Ready()
+	ready := src.Ready()
 	for {
 		select {
 		case <-ctx.Done():
 			final, cancel := context.WithTimeout(context.Background(), finalFlushTimeout)
 			defer cancel()
-			if err := p.flush(final); err != nil {
+			if err := p.flush(final, src); err != nil {
 				p.lg.Warn("could not write the cache's copy on disk at stop; the next start loads from etcd what it lacks", zap.Error(err))
 			}
 			return
@@ -157,7 +158,7 @@ func (p *Persister) Run(ctx context.Context) {
 		case <-t.C:
 		}
 		next := p.cfg.Interval
-		if p.flush(ctx) != nil {
+		if p.flush(ctx, src) != nil {
 			next = max(next, bo.Next())
 		} else {
 			bo.Reset()
@@ -186,19 +187,19 @@ func (p *Persister) closeDBLocked() {
 // reads it again.
 var errMoved = errors.New("the store was reloaded while it was copied")
 
-// Flush brings the copy on disk up to date with the store, if the store
-// serves a history (or last did, in this generation). It returns why the
-// write failed; the copy on disk is then the previous one, whole.
-func (p *Persister) Flush() error { return p.flush(context.Background()) }
+// Flush brings the copy on disk up to date with the store, if src says
+// the store serves a history (or last did, in this generation). It returns
+// why the write failed; the copy on disk is then the previous one, whole.
+func (p *Persister) Flush(src Source) error { return p.flush(context.Background(), src) }
 
 // flush is Flush; ctx ends a whole copy under way (the old one stays).
-func (p *Persister) flush(ctx context.Context) error {
+func (p *Persister) flush(ctx context.Context, src Source) error {
 	st := p.cfg.Store
 	gen := st.Generation()
-	serving := p.cfg.Source.Serving()
+	serving := src.Serving()
 	var cluster uint64
 	if serving {
-		cluster = p.cfg.Source.ClusterID()
+		cluster = src.ClusterID()
 	}
 	if st.Generation() != gen {
 		return nil
@@ -257,13 +258,13 @@ func (p *Persister) failedLocked(err error) {
 	p.failed.Store(&err)
 }
 
-// Release brings the copy up to date a last time and closes it, for a new
-// process to restore from (a handover); nothing is written again until
-// Resume.
-func (p *Persister) Release() error {
+// Release brings the copy up to date a last time, as src serves it, and
+// closes it, for a new process to restore from (a handover); nothing is
+// written again until Resume.
+func (p *Persister) Release(src Source) error {
 	ctx, cancel := context.WithTimeout(context.Background(), finalFlushTimeout)
 	defer cancel()
-	err := p.flush(ctx)
+	err := p.flush(ctx, src)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.released = true

@@ -41,8 +41,9 @@ func BenchmarkRestore(b *testing.B) {
 		kvs[i] = &mvccpb.KeyValue{Key: []byte(fmt.Sprintf("/registry/pods/ns-%03d/pod-%07d", i%100, i)), Value: value, CreateRevision: int64(i + 2), ModRevision: int64(i + 2), Version: 1}
 	}
 	st.Reset(keys+1, kvs, 0)
-	p := New(Config{Dir: dir, Store: st, Source: newServingSource(7)})
-	if err := p.Flush(); err != nil {
+	src := newServingSource(7)
+	p := New(Config{Dir: dir, Store: st})
+	if err := p.Flush(src); err != nil {
 		b.Fatal(err)
 	}
 	p.close()
@@ -53,7 +54,7 @@ func BenchmarkRestore(b *testing.B) {
 	b.ReportAllocs()
 	for range b.N {
 		fresh := revtree.New(0)
-		r := New(Config{Dir: dir, Store: fresh, Source: newServingSource(7)})
+		r := New(Config{Dir: dir, Store: fresh})
 		if _, ok := r.Open(context.Background()); !ok {
 			b.Fatal("no copy")
 		}

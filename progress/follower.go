@@ -48,20 +48,14 @@ type Config struct {
 	// revision and replay all of etcd's retained history into snapshots, so
 	// historical reads are served from memory after a proxy restart.
 	LoadRetainedHistory bool
-	// VerifyHistory, if set, reports whether etcd's keys and their mod
-	// revisions at rev are the store's: it runs on every resume of the
-	// upstream watch, before the store serves again (timeline.go).
-	VerifyHistory func(ctx context.Context, rev int64) (bool, error)
+	// History, if set, proves that etcd's history is the store's: on
+	// every resume of the upstream watch, before the store serves again
+	// (timeline.go), and for the store restored from Disk (warm.go).
+	History HistoryVerifier
 	// Disk, if set, is the copy of the cache a previous process left on
 	// disk: the first load restores it and follows etcd from its
 	// revision, once it is proven etcd's history (warm.go).
 	Disk DiskCopy
-	// VerifyCopy, if set, reports whether etcd's keys and their mod
-	// revisions at rev are those of the store restored from Disk: it
-	// reads etcd's, in chunks cut at bounds, while restored (which
-	// returns the restore's error) has not returned, then compares.
-	// Without it, VerifyHistory runs once the store is restored.
-	VerifyCopy func(ctx context.Context, rev int64, bounds [][]byte, restored func() error) (bool, error)
 }
 
 // Follower keeps a revtree.Store in step with etcd. Create it with New and
@@ -95,7 +89,8 @@ type Follower struct {
 	leader   leaderState
 	changes  broadcast.Signal
 	// beforeCompact, if set, runs before each compaction drops the history
-	// below it (SetBeforeCompact).
+	// below it: the watch server's, which reads the follower and so is
+	// built after it, set by server before Run (SetBeforeCompact).
 	beforeCompact atomic.Pointer[func()]
 	requests      *progressRequests
 	probes        *headProbe

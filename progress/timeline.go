@@ -31,11 +31,23 @@ import (
 //     --bump-revision --mark-compacted looks exactly like that);
 //   - on every resume of the upstream watch, before following, a
 //     comparison of etcd's keys and mod revisions at the store's revision
-//     with the store's own (Config.VerifyHistory).
+//     with the store's own (Config.History).
 //
 // On a sign the store stops serving at once, the epoch moves (the Watch
 // service ends every client watch as compacted, so clients relist, as they
 // must after a restore), and the keyspace is reloaded from scratch.
+
+// HistoryVerifier compares etcd's keys and their mod revisions at a
+// revision with the store's (a *hashcheck.Verifier).
+type HistoryVerifier interface {
+	// SameHistory reports whether etcd's keys and their mod revisions at
+	// rev are the store's.
+	SameHistory(ctx context.Context, rev int64) (bool, error)
+	// SameHistoryAhead is SameHistory for a store being restored: it
+	// reads etcd's keys, in chunks cut at bounds, while restored (which
+	// returns the restore's error) has not returned, then compares.
+	SameHistoryAhead(ctx context.Context, rev int64, bounds [][]byte, restored func() error) (bool, error)
+}
 
 // errTimeline ends the upstream watch when the history differs, and
 // errCompactedResume when etcd compacted past the store's revision.
@@ -181,10 +193,10 @@ func (f *Follower) verifyResume(ctx context.Context, rev int64, next bool) error
 		f.timelineChanged("compacted-resume", fmt.Errorf("etcd compacted at %d, past the cache's revision %d", c, rev))
 		return errCompactedResume
 	}
-	if f.cfg.VerifyHistory == nil {
+	if f.cfg.History == nil {
 		return nil
 	}
-	same, err := f.cfg.VerifyHistory(ctx, rev)
+	same, err := f.cfg.History.SameHistory(ctx, rev)
 	switch {
 	case etcderr.Is(err, rpctypes.ErrCompacted):
 		if ok, rerr := f.compaction.readable(ctx, rev+1); rerr == nil && ok {

@@ -11,7 +11,6 @@ import (
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/etcderr"
-	"github.com/etcd-snapcache/etcd-snapcache/persist"
 )
 
 // A warm start: the store restored from the copy a previous process left
@@ -25,7 +24,7 @@ import (
 //   - etcd's head (a quorum read) is not below R;
 //   - etcd has not compacted past R, so R can still be compared;
 //   - once the watch from R is created, etcd's keys and mod revisions at
-//     R are the store's (Config.VerifyCopy): a restore that kept the
+//     R are the store's (Config.History): a restore that kept the
 //     cluster id and moved on from an older snapshot fails here.
 //
 // A copy that fails a check is thrown away and the keyspace is loaded from
@@ -33,11 +32,11 @@ import (
 // before serving: the copy's may be older than etcd's.
 
 // DiskCopy is the copy of the cache a previous process left on local disk
-// (a *persist.Persister).
+// (server adapts a *persist.Persister).
 type DiskCopy interface {
 	// Open finds the copy and reads its header; false if there is no
 	// usable copy (it says why).
-	Open(ctx context.Context) (persist.Header, bool)
+	Open(ctx context.Context) (DiskHeader, bool)
 	// Restore fills the store from the opened copy; an error if it is
 	// damaged (it says why, and throws it away).
 	Restore(ctx context.Context) error
@@ -45,6 +44,19 @@ type DiskCopy interface {
 	Accepted()
 	// Refused is told the restored store failed check against etcd.
 	Refused(check string, err error)
+}
+
+// DiskHeader is a copy on disk as Open finds it, before it is read whole
+// (persist.Header): enough to check it against etcd while it is restored.
+type DiskHeader struct {
+	// Cluster is the id of the etcd cluster the copy was taken from.
+	Cluster uint64
+	// Rev is the revision the copy is complete up to; CompactRev etcd's
+	// compaction revision as the cache last mirrored it.
+	Rev, CompactRev int64
+	// Bounds are keys of the copy, in key order: where a reader of etcd's
+	// keys at Rev may cut its chunks (HistoryVerifier.SameHistoryAhead).
+	Bounds [][]byte
 }
 
 var (
@@ -58,8 +70,8 @@ var (
 
 // warmState is the feed's warm start; only the feed's goroutine uses it.
 type warmState struct {
-	opened bool           // the copy is open, not yet verified or refused
-	header persist.Header // the copy's
+	opened bool       // the copy is open, not yet verified or refused
+	header DiskHeader // the copy's
 	// restore fills the store from the copy, beside the checks against
 	// etcd: etcd reads its keys at the copy's revision while the proxy
 	// decodes the copy.
@@ -173,11 +185,9 @@ func (f *Follower) verifyWarm(ctx context.Context, rev int64, next bool) error {
 	}
 	var same bool
 	var err error
-	if f.cfg.VerifyCopy != nil {
-		same, err = f.cfg.VerifyCopy(ctx, rev, f.warm.header.Bounds, restored)
-	} else if err = restored(); err == nil && f.cfg.VerifyHistory != nil {
-		same, err = f.cfg.VerifyHistory(ctx, rev)
-	} else if err == nil {
+	if f.cfg.History != nil {
+		same, err = f.cfg.History.SameHistoryAhead(ctx, rev, f.warm.header.Bounds, restored)
+	} else if err = restored(); err == nil {
 		err = errors.New("no way to compare etcd's keys with the copy's")
 	}
 	var damaged *restoreError

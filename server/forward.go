@@ -50,20 +50,23 @@ func forwardStreamMetadata(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.
 	return streamer(withCallerMetadata(ctx), desc, cc, method, opts...)
 }
 
-// lendUnary sends a call marked asProxy (a request this proxy checked for
-// a certificate caller) on the connection of the proxy's own identity
-// (--user) instead of the forwarding one. Without --user the forwarding
-// connection is that identity: its client certificate's.
-func (s *Server) lendUnary(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-	if gate.IsAsProxy(ctx) && s.own != s.client {
-		return s.own.ActiveConnection().Invoke(ctx, method, req, reply, opts...)
+// lender sends a call marked asProxy (a request this proxy checked for a
+// certificate caller) on the connection of the proxy's own identity
+// (--user) instead of the forwarding one, whose interceptors it is. Without
+// --user there is none: the forwarding connection is that identity, its
+// client certificate's.
+type lender struct{ own *grpc.ClientConn }
+
+func (l *lender) unary(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	if gate.IsAsProxy(ctx) {
+		return l.own.Invoke(ctx, method, req, reply, opts...)
 	}
 	return invoker(ctx, method, req, reply, cc, opts...)
 }
 
-func (s *Server) lendStream(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-	if gate.IsAsProxy(ctx) && s.own != s.client {
-		return s.own.ActiveConnection().NewStream(ctx, desc, method, opts...)
+func (l *lender) stream(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	if gate.IsAsProxy(ctx) {
+		return l.own.NewStream(ctx, desc, method, opts...)
 	}
 	return streamer(ctx, desc, cc, method, opts...)
 }

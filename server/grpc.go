@@ -34,11 +34,86 @@ import (
 // fence; an idle worker costs only its goroutine.
 const streamWorkers = 128
 
-// newGRPCServer returns the gRPC server of the etcd API with every service
-// registered: KV and Watch from the cache, the rest forwarded. Its calls
-// are counted in grpc_server_*, with handling times when Metrics is
-// "extensive", as etcd's --metrics.
-func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
+// services are the etcd API's services as the proxy serves them: KV and
+// Watch from the cache, Lease with its keepalives coalesced, Cluster as
+// grpc-proxy answers it, the rest forwarded. newServices builds them and
+// newGRPCServer registers them.
+type services struct {
+	kv    *kvproxy.Server
+	watch *watchproxy.Server
+	// kvMetrics and watchMetrics are the KV and Watch services' metrics,
+	// which /proxy/status reads too.
+	kvMetrics    *kvproxy.Metrics
+	watchMetrics *watchproxy.Metrics
+	// lease's keepalive coalescers run on goroutines of the server
+	// (runBackground).
+	lease       *leaseServer
+	cluster     pb.ClusterServer
+	maintenance pb.MaintenanceServer
+	auth        pb.AuthServer
+	lock        v3lockpb.LockServer
+	election    v3electionpb.ElectionServer
+	// health follows readiness (followReadiness); NOT_SERVING until then.
+	health *health.Server
+}
+
+// newServices builds the services over the cache, the gate and the
+// forwarding connection; the lease keepalives' upstream streams live as
+// long as ctx.
+func (s *Server) newServices(ctx context.Context) services {
+	conn := s.client.ActiveConnection()
+	svc := services{kvMetrics: kvproxy.NewMetrics(s.registry), watchMetrics: watchproxy.NewMetrics(s.registry)}
+	svc.kv = kvproxy.New(kvproxy.Config{
+		Store:                  s.store,
+		Follower:               s.follower,
+		Upstream:               pb.NewKVClient(conn),
+		Logger:                 s.lg.Named("kv"),
+		Metrics:                svc.kvMetrics,
+		RevisionWait:           s.cfg.RevisionWait,
+		FreshnessTimeout:       s.cfg.FreshnessTimeout,
+		ConsistentReadFallback: s.cfg.ConsistentReadFallback,
+		MaxForwardedReads:      s.cfg.MaxForwardedReads,
+		MaxCachedReadBytes:     s.cfg.MaxCachedReadBytes,
+		Inconsistent:           s.checker.Fallback,
+		Gate:                   s.gate,
+	})
+	svc.watch = watchproxy.New(watchproxy.Config{
+		Store:                  s.store,
+		Follower:               s.follower,
+		Upstream:               pb.NewWatchClient(conn),
+		ProgressNotifyInterval: s.cfg.WatchProgressNotifyInterval,
+		FollowEtcdProgress:     s.cfg.FollowEtcdProgressInterval,
+		FragmentBytes:          s.cfg.MaxRequestBytes + grpcOverheadBytes,
+		Consistency:            s.checker,
+		Gate:                   s.gate,
+		Logger:                 s.lg.Named("watch"),
+		Metrics:                svc.watchMetrics,
+	})
+	// The watch server reads the follower, so it is built after it; the
+	// follower's compactions must first let the watch server's notifier
+	// catch its watchers up. Set before the follower runs.
+	s.follower.SetBeforeCompact(svc.watch.SyncWatchers)
+	leases := pb.NewLeaseClient(conn)
+	svc.lease = &leaseServer{
+		upstream:  leases,
+		ka:        newKeepAlives(ctx, leases, s.lg.Named("lease")),
+		asProxyKA: newKeepAlives(gate.AsProxy(ctx), leases, s.lg.Named("lease")),
+		callerOf:  s.gate.CallerOf,
+	}
+	svc.cluster = s.newClusterServer()
+	svc.maintenance = grpcproxy.NewMaintenanceProxy(s.client)
+	svc.auth = s.gate.AuthServer(grpcproxy.NewAuthProxy(s.client))
+	svc.lock = grpcproxy.NewLockProxy(s.client)
+	svc.election = grpcproxy.NewElectionProxy(s.client)
+	svc.health = health.NewServer()
+	svc.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	return svc
+}
+
+// newGRPCServer returns the gRPC server of the etcd API with svc
+// registered. Its calls are counted in grpc_server_*, with handling times
+// when Metrics is "extensive", as etcd's --metrics.
+func (s *Server) newGRPCServer(svc services) *grpc.Server {
 	serverMetrics := newGRPCMetrics(s.cfg.Metrics == MetricsExtensive)
 	s.registry.MustRegister(serverMetrics)
 	unary := []grpc.UnaryServerInterceptor{serverMetrics.unary(s.gate.UnaryServerInterceptor)}
@@ -81,51 +156,29 @@ func (s *Server) newGRPCServer(ctx context.Context) (*grpc.Server, error) {
 	opts = append(opts, s.cfg.GRPCServerOptions...)
 	gs := grpc.NewServer(opts...)
 
-	conn := s.client.ActiveConnection()
-	s.kvMetrics, s.watchMetrics = kvproxy.NewMetrics(s.registry), watchproxy.NewMetrics(s.registry)
-	s.kv = kvproxy.New(kvproxy.Config{
-		Store:                  s.store,
-		Follower:               s.follower,
-		Upstream:               pb.NewKVClient(conn),
-		Logger:                 s.lg.Named("kv"),
-		Metrics:                s.kvMetrics,
-		RevisionWait:           s.cfg.RevisionWait,
-		FreshnessTimeout:       s.cfg.FreshnessTimeout,
-		ConsistentReadFallback: s.cfg.ConsistentReadFallback,
-		MaxForwardedReads:      s.cfg.MaxForwardedReads,
-		MaxCachedReadBytes:     s.cfg.MaxCachedReadBytes,
-		Inconsistent:           s.checker.Fallback,
-		Gate:                   s.gate,
-	})
-	kvproxy.Register(gs, s.kv)
-	s.watch = watchproxy.New(watchproxy.Config{
-		Store:                  s.store,
-		Follower:               s.follower,
-		Upstream:               pb.NewWatchClient(conn),
-		ProgressNotifyInterval: s.cfg.WatchProgressNotifyInterval,
-		FollowEtcdProgress:     s.cfg.FollowEtcdProgressInterval,
-		FragmentBytes:          s.cfg.MaxRequestBytes + grpcOverheadBytes,
-		Consistency:            s.checker,
-		Gate:                   s.gate,
-		Logger:                 s.lg.Named("watch"),
-		Metrics:                s.watchMetrics,
-	})
-	s.follower.SetBeforeCompact(s.watch.SyncWatchers)
-	pb.RegisterWatchServer(gs, s.watch)
-	s.keepAlives = newKeepAlives(ctx, pb.NewLeaseClient(conn), s.lg.Named("lease"))
-	s.asProxyKeepAlives = newKeepAlives(gate.AsProxy(ctx), pb.NewLeaseClient(conn), s.lg.Named("lease"))
-	pb.RegisterLeaseServer(gs, &leaseServer{upstream: pb.NewLeaseClient(conn), ka: s.keepAlives, asProxyKA: s.asProxyKeepAlives, callerOf: s.gate.CallerOf})
-	pb.RegisterClusterServer(gs, s.newClusterServer())
-	pb.RegisterMaintenanceServer(gs, grpcproxy.NewMaintenanceProxy(s.client))
-	pb.RegisterAuthServer(gs, s.gate.AuthServer(grpcproxy.NewAuthProxy(s.client)))
-	v3lockpb.RegisterLockServer(gs, grpcproxy.NewLockProxy(s.client))
-	v3electionpb.RegisterElectionServer(gs, grpcproxy.NewElectionProxy(s.client))
-	s.health = health.NewServer()
-	s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
-	healthpb.RegisterHealthServer(gs, s.health)
+	kvproxy.Register(gs, svc.kv)
+	pb.RegisterWatchServer(gs, svc.watch)
+	pb.RegisterLeaseServer(gs, svc.lease)
+	pb.RegisterClusterServer(gs, svc.cluster)
+	pb.RegisterMaintenanceServer(gs, svc.maintenance)
+	pb.RegisterAuthServer(gs, svc.auth)
+	v3lockpb.RegisterLockServer(gs, svc.lock)
+	v3electionpb.RegisterElectionServer(gs, svc.election)
+	healthpb.RegisterHealthServer(gs, svc.health)
 	// Every method's series exist from the start, at zero.
 	serverMetrics.initialize(gs)
-	return gs, nil
+	return gs
+}
+
+// advertise registers the proxy's advertised URL under --resolver-prefix,
+// as grpc-proxy does, for clients that find the proxies in etcd.
+func (s *Server) advertise() {
+	if s.cfg.ResolverPrefix == "" {
+		return
+	}
+	if urls := s.advertiseURLs(); len(urls) > 0 {
+		s.clientDone = append(s.clientDone, grpcproxy.Register(s.lg.Named("resolver"), s.client, s.cfg.ResolverPrefix, urls[0], s.cfg.ResolverTTL))
+	}
 }
 
 // maxConcurrentStreams is the bound of each client connection's streams:

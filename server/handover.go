@@ -68,7 +68,7 @@ func (s *Server) ReleaseDisk() error {
 	if s.persister == nil {
 		return nil
 	}
-	return s.persister.Release()
+	return s.persister.Release(s.follower)
 }
 
 // ResumeDisk takes the copy on disk back after a handover failed.

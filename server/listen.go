@@ -160,6 +160,36 @@ func (s *Server) newHTTPServer(h http.Handler) *http.Server {
 	}
 }
 
+// servePorts serves the gRPC server and the HTTP endpoints (with etcd's
+// JSON gateway if enabled) on the client port, and the HTTP endpoints on
+// --metrics-addr. /proxy/health and the gateway reach the proxy through
+// its own API, on a client of the client port (self).
+func (s *Server) servePorts() error {
+	var err error
+	if s.self, err = s.dialSelf(); err != nil {
+		return err
+	}
+	endpoints, err := s.newHTTPEndpoints()
+	if err != nil {
+		return err
+	}
+	var clientMux http.Handler = newHTTPMux(endpoints, s.cfg.EnablePprof)
+	if s.cfg.EnableGRPCGateway {
+		if s.gateway, err = s.newGateway(); err != nil {
+			return err
+		}
+		clientMux = s.gateway.wrap(clientMux)
+	}
+	if err := s.serveClientPort(s.grpcServer, clientMux); err != nil {
+		return err
+	}
+	if s.metricsLis != nil {
+		s.metricsHTTP = s.newHTTPServer(newHTTPMux(endpoints, false))
+		s.serve("metrics", func() error { return s.metricsHTTP.Serve(s.metricsLis) })
+	}
+	return nil
+}
+
 // serveClientPort serves gRPC and HTTP on the client listener, as etcd
 // serves its client port. Without TLS, cmux sends HTTP/2 connections to the
 // gRPC server and HTTP/1 ones to the HTTP server. With TLS, etcd's TLS

@@ -80,8 +80,8 @@ func (l MemoryLimit) String() string {
 // a small store cost 0.75 s of CPU a second that way.
 func (s *Server) liveEstimate() int64 {
 	n := s.store.ApproxBytes()
-	if s.kv != nil {
-		n += s.kv.CachedReadBytes()
+	if s.svc.kv != nil {
+		n += s.svc.kv.CachedReadBytes()
 	}
 	return max(n, s.heapLive())
 }

@@ -11,30 +11,24 @@ import (
 	"sync/atomic"
 	"time"
 
-	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
-	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.etcd.io/etcd/server/v3/proxy/grpcproxy"
 
 	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/tlsmux"
-	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/persist"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
-	"github.com/etcd-snapcache/etcd-snapcache/watchproxy"
 )
 
 // Server is a running etcd-snapcache.
@@ -48,10 +42,13 @@ type Server struct {
 	// gateway serves etcd's JSON gateway on the client port; nil when
 	// disabled.
 	gateway *gateway
-	// gate decides, per request, what etcd would of its caller.
+	// gate decides, per request, what etcd would of its caller. It is made
+	// before the upstream connections, whose calls run its token watcher;
+	// Start gives it them and the follower (Connect) once they exist.
 	gate     *gate.Gate
 	store    *revtree.Store
 	follower *progress.Follower
+	checker  *hashcheck.Checker
 	// persister keeps the cache's copy on disk; nil without PersistDir.
 	persister *persist.Persister
 	registry  *prometheus.Registry
@@ -67,21 +64,13 @@ type Server struct {
 	clientRaw, metricsRaw net.Listener
 	// acceptsOpen is closed when the listeners accept: at once, or
 	// once ready when they were handed over.
-	acceptsOpen       chan struct{}
-	clientHTTP        *http.Server
-	tlsMux            *tlsmux.Mux  // with TLS: the client port's connections by protocol
-	metricsLis        net.Listener // nil without MetricsAddr
-	metricsHTTP       *http.Server
-	health            *health.Server
-	checker           *hashcheck.Checker
-	keepAlives        *keepAlives // anonymous callers' keepalives
-	asProxyKeepAlives *keepAlives // certificate callers', checked, as the proxy
-	watch             *watchproxy.Server
-	kv                *kvproxy.Server
-	// kvMetrics and watchMetrics are the KV and Watch services' metrics,
-	// which /proxy/status reads too.
-	kvMetrics    *kvproxy.Metrics
-	watchMetrics *watchproxy.Metrics
+	acceptsOpen chan struct{}
+	clientHTTP  *http.Server
+	tlsMux      *tlsmux.Mux  // with TLS: the client port's connections by protocol
+	metricsLis  net.Listener // nil without MetricsAddr
+	metricsHTTP *http.Server
+	// svc are the etcd API's services, which grpcServer serves.
+	svc services
 	// clientDone are closed when goroutines of etcd's grpcproxy that live
 	// as long as the upstream client end, after it is closed.
 	clientDone []<-chan struct{}
@@ -108,7 +97,71 @@ type Server struct {
 
 // Start dials etcd, starts following it and serves until Stop. It returns
 // once the listeners are bound; the cache loads in the background.
+//
+// Each step builds what the next ones read, so that the order below is the
+// data flow; the few edges back are named where they are made.
 func Start(cfg Config) (*Server, error) {
+	s, err := newServer(cfg)
+	if err != nil {
+		return nil, err
+	}
+	// The gate comes before the connections to etcd: the forwarding one
+	// runs its token watcher on every call.
+	if s.gate, err = s.newGate(); err != nil {
+		return nil, err
+	}
+	if err := s.connectUpstream(); err != nil {
+		return nil, err
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			if s.grpcServer != nil {
+				s.grpcServer.Stop() // ends its stream workers
+			}
+			s.closeAll()
+		}
+	}()
+	s.buildCache()
+	// The gate gets the connections it was made before, and the follower
+	// whose state it reads, before any request (none is served before
+	// servePorts).
+	s.gate.Connect(gate.Upstream{
+		Forwarding: s.client.ActiveConnection(),
+		Own:        s.own.ActiveConnection(),
+		Follower:   s.follower,
+	})
+	s.registerMetrics()
+	if err := s.listen(); err != nil {
+		return nil, err
+	}
+	// Whatever starts from here runs until closeAll cancels ctx, on
+	// goroutines the server owns.
+	ctx, cancel := context.WithCancel(context.Background())
+	s.cancel = cancel
+	s.startGate(ctx)
+	s.svc = s.newServices(ctx)
+	s.grpcServer = s.newGRPCServer(s.svc)
+	s.advertise()
+	if err := s.servePorts(); err != nil {
+		return nil, err
+	}
+	s.runBackground(ctx)
+	ok = true
+	// grpc-proxy's words: tooling (etcd's e2e framework) waits for them.
+	s.lg.Info("started gRPC proxy",
+		zap.String("listen-addr", s.clientLis.Addr().String()),
+		zap.Bool("tls", s.tls != nil),
+		zap.String("metrics-addr", s.MetricsAddr()),
+		zap.Strings("upstream", cfg.Endpoints),
+		zap.Strings("advertise-client-urls", s.advertiseURLs()))
+	return s, nil
+}
+
+// newServer checks cfg and returns a server with what needs nothing
+// opened: its registry, with the Go and process collectors, and its
+// serving TLS.
+func newServer(cfg Config) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -125,81 +178,25 @@ func Start(cfg Config) (*Server, error) {
 	if cfg.ClientCertAuth && (s.tls == nil || s.tls.TrustedCAFile == "") {
 		return nil, errors.New("--client-cert-auth: client certificates are verified only with serving TLS and --trusted-ca-file")
 	}
-	if s.gate, err = gate.New(gate.Config{
-		User:               cfg.User,
-		UpstreamCertFile:   cfg.UpstreamTLS.CertFile,
-		ClientCertAuth:     cfg.ClientCertAuth,
-		AuthToken:          cfg.AuthToken,
-		TokenCheckInterval: cfg.AuthTokenCheckInterval,
-		FreshnessTimeout:   cfg.FreshnessTimeout,
-		ValidateWrite:      kvproxy.ValidateWrite,
+	return s, nil
+}
+
+// newGate returns the auth gate; it is given etcd by Connect.
+func (s *Server) newGate() (*gate.Gate, error) {
+	return gate.New(gate.Config{
+		User:               s.cfg.User,
+		UpstreamCertFile:   s.cfg.UpstreamTLS.CertFile,
+		ClientCertAuth:     s.cfg.ClientCertAuth,
+		AuthToken:          s.cfg.AuthToken,
+		TokenCheckInterval: s.cfg.AuthTokenCheckInterval,
+		FreshnessTimeout:   s.cfg.FreshnessTimeout,
 		Logger:             s.lg.Named("auth"),
-	}); err != nil {
-		return nil, err
-	}
-	clientMetrics := grpcprom.NewClientMetrics()
-	s.registry.MustRegister(clientMetrics)
-	if s.client, err = s.dialUpstream(clientMetrics, "", "", s.gate.WatchTokens); err != nil {
-		return nil, err
-	}
-	ok := false
-	defer func() {
-		if !ok {
-			if s.grpcServer != nil {
-				s.grpcServer.Stop() // ends its stream workers
-			}
-			s.closeAll()
-		}
-	}()
-	s.own = s.client
-	if cfg.User != "" {
-		if s.own, err = s.dialUpstream(clientMetrics, cfg.User, cfg.Password); err != nil {
-			return nil, err
-		}
-	}
-	s.store = revtree.New(cfg.BTreeDegree)
-	s.store.SetMaxHistoryBytes(cfg.MaxHistoryBytes)
-	var disk progress.DiskCopy
-	if cfg.PersistDir != "" {
-		s.persister = persist.New(persist.Config{
-			Dir:      cfg.PersistDir,
-			Store:    s.store,
-			Source:   persistSource{s},
-			Interval: cfg.PersistInterval,
-			Logger:   s.lg.Named("persist"),
-			Metrics:  persist.NewMetrics(s.registry),
-		})
-		disk = s.persister
-	}
-	s.follower = progress.New(progress.Config{
-		Client:                  s.own,
-		Store:                   s.store,
-		Logger:                  s.lg.Named("follower"),
-		Metrics:                 progress.NewMetrics(s.registry),
-		LoadPageSize:            cfg.LoadPageSize,
-		CompactionProbeInterval: cfg.CompactionProbeInterval,
-		LoadRetainedHistory:     cfg.LoadRetainedHistory,
-		BeforeLoadPage:          cfg.BeforeLoadPage,
-		Disk:                    disk,
-		// The checker is built next; resumes happen only once Run began.
-		VerifyHistory: func(ctx context.Context, rev int64) (bool, error) { return s.checker.SameHistory(ctx, rev) },
-		VerifyCopy: func(ctx context.Context, rev int64, bounds [][]byte, restored func() error) (bool, error) {
-			return s.checker.SameHistoryAhead(ctx, rev, bounds, restored)
-		},
 	})
-	s.gate.Connect(gate.Upstream{
-		Forwarding: s.client.ActiveConnection(),
-		Own:        s.own.ActiveConnection(),
-		Follower:   s.follower,
-	})
-	s.checker = hashcheck.New(hashcheck.Config{
-		Store:      s.store,
-		Follower:   s.follower,
-		Upstream:   pb.NewKVClient(s.own.ActiveConnection()),
-		Interval:   cfg.ConsistencyCheckInterval,
-		Logger:     s.lg.Named("hashcheck"),
-		Registerer: s.registry,
-	})
+}
+
+// registerMetrics registers the proxy's own gauges: readiness, the
+// upstream watch, the mode, and what /proxy/status says of the upstream.
+func (s *Server) registerMetrics() {
 	s.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "etcd_snapcache_ready",
 		Help: "1 while the proxy is ready, as /readyz reports: the cache answers for etcd (loaded, not reloading), the upstream watch is not lost, and the proxy is not stopping.",
@@ -215,73 +212,33 @@ func Start(cfg Config) (*Server, error) {
 		}, func() float64 { return boolGauge(s.mode() == m) }))
 	}
 	s.registerStatusMetrics()
+}
 
-	if err := s.listen(); err != nil {
-		return nil, err
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	s.cancel = cancel
+// startGate runs the gate's mirror of etcd's auth state until ctx is done,
+// and waits for it then, on a goroutine of the server.
+func (s *Server) startGate(ctx context.Context) {
 	s.gate.Start(ctx)
 	s.run(func() {
 		<-ctx.Done()
 		s.gate.Stop()
 	})
-	if s.grpcServer, err = s.newGRPCServer(ctx); err != nil {
-		return nil, err
-	}
-	if cfg.ResolverPrefix != "" {
-		if urls := s.advertiseURLs(); len(urls) > 0 {
-			s.clientDone = append(s.clientDone, grpcproxy.Register(s.lg.Named("resolver"), s.client, cfg.ResolverPrefix, urls[0], cfg.ResolverTTL))
-		}
-	}
-	if s.self, err = s.dialSelf(); err != nil {
-		return nil, err
-	}
-	endpoints, err := s.newHTTPEndpoints()
-	if err != nil {
-		return nil, err
-	}
-	var clientMux http.Handler = newHTTPMux(endpoints, cfg.EnablePprof)
-	if cfg.EnableGRPCGateway {
-		if s.gateway, err = s.newGateway(); err != nil {
-			return nil, err
-		}
-		clientMux = s.gateway.wrap(clientMux)
-	}
-	if err := s.serveClientPort(s.grpcServer, clientMux); err != nil {
-		return nil, err
-	}
-	if s.metricsLis != nil {
-		s.metricsHTTP = s.newHTTPServer(newHTTPMux(endpoints, false))
-		s.serve("metrics", func() error { return s.metricsHTTP.Serve(s.metricsLis) })
-	}
-	s.run(func() { s.keepAlives.run() })
-	s.run(func() { s.asProxyKeepAlives.run() })
+}
+
+// runBackground runs the server's loops until ctx is done, each on a
+// goroutine of the server: the lease keepalive coalescers, the checker,
+// the follower (which loads the cache), the persister, readiness, and the
+// memory limit.
+func (s *Server) runBackground(ctx context.Context) {
+	s.run(func() { s.svc.lease.ka.run() })
+	s.run(func() { s.svc.lease.asProxyKA.run() })
 	s.run(func() { s.checker.Run(ctx) })
 	s.run(func() { s.follower.Run(ctx) })
 	if s.persister != nil {
-		s.run(func() { s.persister.Run(ctx) })
+		s.run(func() { s.persister.Run(ctx, s.follower) })
 	}
 	s.run(func() { s.followReadiness(ctx) })
 	s.startMemoryLimit(ctx)
-	ok = true
-	// grpc-proxy's words: tooling (etcd's e2e framework) waits for them.
-	s.lg.Info("started gRPC proxy",
-		zap.String("listen-addr", s.clientLis.Addr().String()),
-		zap.Bool("tls", s.tls != nil),
-		zap.String("metrics-addr", s.MetricsAddr()),
-		zap.Strings("upstream", cfg.Endpoints),
-		zap.Strings("advertise-client-urls", s.advertiseURLs()))
-	return s, nil
 }
-
-// persistSource is the follower as the persister sees it: the persister
-// is made first, because the follower starts by restoring from it.
-type persistSource struct{ s *Server }
-
-func (p persistSource) Ready() <-chan struct{} { return p.s.follower.Ready() }
-func (p persistSource) Serving() bool          { return p.s.follower.Serving() }
-func (p persistSource) ClusterID() uint64      { return p.s.follower.ClusterID() }
 
 func boolGauge(b bool) float64 {
 	if b {
@@ -461,11 +418,11 @@ func (s *Server) followReadiness(ctx context.Context) {
 		err := s.notReady()
 		switch {
 		case err == nil && !serving:
-			s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+			s.svc.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 			s.lg.Info("ready")
 			s.firstReady.Do(s.firstReadiness)
 		case err != nil && serving:
-			s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+			s.svc.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
 			s.lg.Warn("not ready", zap.Error(err))
 		}
 		serving = err == nil
@@ -534,10 +491,10 @@ func (s *Server) Err() <-chan error { return s.errc }
 func (s *Server) Stop() {
 	s.once.Do(func() {
 		s.stopping.Store(true)
-		s.health.Shutdown()
+		s.svc.health.Shutdown()
 		s.lg.Info("stopping: not ready; ending watch and keepalive streams; open requests get up to " + gracefulStopTimeout.String())
 		s.stopStream()
-		s.watch.Close()
+		s.svc.watch.Close()
 		stopped := make(chan struct{})
 		go func() {
 			s.grpcServer.GracefulStop()

@@ -35,7 +35,7 @@ func (s *Server) status() proxystatus.Status {
 		RetainedRevisions:      int64(s.store.Snapshots()),
 		HistoryBytes:           s.store.HistoryBytes(),
 		MaxHistoryBytes:        s.store.MaxHistoryBytes(),
-		RangeRequests:          s.kvMetrics.RangeRequests(),
+		RangeRequests:          s.svc.kvMetrics.RangeRequests(),
 		StartTime:              processStart(),
 	}
 	for _, c := range s.readyChecks() {
@@ -44,7 +44,7 @@ func (s *Server) status() proxystatus.Status {
 		}
 	}
 	st.Ready = len(st.FailingChecks) == 0
-	st.WatchStreams, st.Watchers = s.watchMetrics.Watching()
+	st.WatchStreams, st.Watchers = s.svc.watchMetrics.Watching()
 	return st
 }
 

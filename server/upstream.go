@@ -35,10 +35,49 @@ func ClientTLSConfig(info transport.TLSInfo, insecureSkipVerify bool) (*tls.Conf
 	return cfg, nil
 }
 
+// The upstream connection's flow-control windows. At 4 MiB a stream
+// carries about 4 GB/s at 1 ms of round trip, more than a forwarded Range
+// is read at; the connection's window is what the estimator would reach.
+const (
+	upstreamStreamWindow = 4 << 20
+	upstreamConnWindow   = 16 << 20
+)
+
+// connectUpstream dials etcd: the connection of the proxy's own identity
+// (--user) first, if there is one, then the forwarding connection, whose
+// calls lend the requests checked as the proxy to the first and run the
+// gate's token watcher. Without --user the two are one.
+func (s *Server) connectUpstream() error {
+	clientMetrics := grpcprom.NewClientMetrics()
+	s.registry.MustRegister(clientMetrics)
+	var lend *lender
+	if s.cfg.User != "" {
+		own, err := s.dialUpstream(clientMetrics, s.cfg.User, s.cfg.Password, nil)
+		if err != nil {
+			return err
+		}
+		s.own, lend = own, &lender{own: own.ActiveConnection()}
+	}
+	client, err := s.dialUpstream(clientMetrics, "", "", lend, s.gate.WatchTokens)
+	if err != nil {
+		if s.own != nil {
+			s.own.Close()
+			s.own = nil
+		}
+		return err
+	}
+	s.client = client
+	if s.own == nil {
+		s.own = s.client
+	}
+	return nil
+}
+
 // dialUpstream returns a client of the upstream etcd, authenticated as user
 // if one is given. Its calls carry the caller's token and hasleader
-// metadata, and are counted in grpc_client_*.
-func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, password string, unary ...grpc.UnaryClientInterceptor) (*clientv3.Client, error) {
+// metadata, and are counted in grpc_client_*; lend, if set, comes before
+// them, and unary after.
+func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, password string, lend *lender, unary ...grpc.UnaryClientInterceptor) (*clientv3.Client, error) {
 	tlsCfg, err := ClientTLSConfig(s.cfg.UpstreamTLS, s.cfg.InsecureSkipTLSVerify)
 	if err != nil {
 		return nil, fmt.Errorf("upstream TLS: %w", err)
@@ -55,9 +94,11 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, passw
 	var streamFirst []grpc.StreamClientInterceptor
 	if user == "" {
 		maxRetries = 1
+	}
+	if lend != nil {
 		// A request checked here for a certificate caller goes as the
 		// proxy's own identity.
-		unaryFirst, streamFirst = []grpc.UnaryClientInterceptor{s.lendUnary}, []grpc.StreamClientInterceptor{s.lendStream}
+		unaryFirst, streamFirst = []grpc.UnaryClientInterceptor{lend.unary}, []grpc.StreamClientInterceptor{lend.stream}
 	}
 	client, err := clientv3.New(clientv3.Config{
 		MaxUnaryRetries:      maxRetries,
@@ -82,6 +123,15 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, passw
 			grpc.WithDefaultCallOptions(
 				grpc.MaxCallRecvMsgSize(orNoBound(s.cfg.MaxRecvBytes)),
 				grpc.MaxCallSendMsgSize(orNoBound(s.cfg.MaxSendBytes))),
+			// Fixed flow-control windows: gRPC's dynamic window (BDP
+			// estimation) pings etcd on data received whenever no ping is
+			// out, so each event of a quiet upstream watch cost a ping
+			// and its ack on both sides. A fixed window also bounds what
+			// one unread stream (a relayed client's watch) can buffer here
+			// to upstreamStreamWindow, where the estimator may grow every
+			// stream's window to 16 MiB.
+			grpc.WithInitialWindowSize(upstreamStreamWindow),
+			grpc.WithInitialConnWindowSize(upstreamConnWindow),
 			// Reconnect within about a second of etcd coming back, even
 			// after a long outage (grpc-go's default backoff reaches 120 s,
 			// and a 5 s cap still left the proxy 3-4 s behind a restarted
