@@ -7,7 +7,7 @@
 //
 // The key index (keyindex.go) is a B-tree of keys ordered by key, each with
 // its versions in revision order: the KeyValue a put stored, or nothing for
-// a delete. A KeyValue is stored as its protobuf encoding (entry.go), with
+// a delete. A KeyValue is stored as its protobuf encoding (storedkv), with
 // the KeyValue struct beside it only while a retained event holds it: the
 // live keyspace costs its encodings, its versions and the tree. The store also keeps one snapshot per retained revision, ordered
 // by revision, holding that revision's events. Applying revision N appends
@@ -18,6 +18,11 @@
 // tree is copied per revision: a retained revision costs its snapshot, its
 // events, its versions and the KeyValues it displaced. KeyValues are never
 // mutated after insertion.
+//
+// How key-values and versions are laid out in memory (entries, bare
+// encodings, tagged versions, version arrays, slabs) is package
+// internal/storedkv's, whose doc comment states the invariants the layout
+// keeps; the store uses its API only.
 //
 // # Worked example
 //

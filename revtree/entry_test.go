@@ -11,6 +11,8 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/storedkv"
 )
 
 func randomKeyValue(r *rand.Rand) *mvccpb.KeyValue {
@@ -52,11 +54,11 @@ func TestEntryEncodingIsProtobufs(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		stored := newEntry(kv)
+		stored := storedkv.New(kv)
 		if !proto.Equal(stored, kv) {
 			t.Fatalf("stored copy %v, want %v", stored, kv)
 		}
-		if got := encoding(stored); !bytes.Equal(got, want) {
+		if got := storedkv.Encoding(stored); !bytes.Equal(got, want) {
 			t.Fatalf("encoding of %v:\n%x\nproto.Marshal:\n%x", kv, got, want)
 		}
 		// The stored key and value are slices of the encoding that an
@@ -69,11 +71,11 @@ func TestEntryEncodingIsProtobufs(t *testing.T) {
 
 func TestEntryWithoutEncoding(t *testing.T) {
 	kv := &mvccpb.KeyValue{ModRevision: 3, Value: []byte("v")} // an empty key: never from etcd
-	stored := newEntry(kv)
-	if !proto.Equal(stored, kv) || encoding(stored) != nil {
-		t.Fatalf("stored %v, encoding %x", stored, encoding(stored))
+	stored := storedkv.New(kv)
+	if !proto.Equal(stored, kv) || storedkv.Encoding(stored) != nil {
+		t.Fatalf("stored %v, encoding %x", stored, storedkv.Encoding(stored))
 	}
-	resp := &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: 3}, Kvs: []*mvccpb.KeyValue{stored, newEntry(&mvccpb.KeyValue{Key: []byte("a")})}, Count: 2}
+	resp := &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: 3}, Kvs: []*mvccpb.KeyValue{stored, storedkv.New(&mvccpb.KeyValue{Key: []byte("a")})}, Count: 2}
 	want, _ := proto.Marshal(resp)
 	x := &Result{Header: resp.Header, Count: resp.Count, r: &pb.RangeRequest{}, kvs: resp.Kvs, made: true}
 	got, err := x.AppendTo(nil)

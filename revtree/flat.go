@@ -6,6 +6,9 @@ import (
 	"sort"
 	"sync"
 	"unsafe"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/allocsize"
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/storedkv"
 )
 
 // Bounds of the flattened-range cache. A kube-apiserver LIST reads one range
@@ -71,7 +74,7 @@ type flatRange struct {
 
 func newFlatRange(snap *snapshot, gen uint64, start, end []byte, vs []version, whole bool) *flatRange {
 	return &flatRange{snap: snap, gen: gen, start: start, end: end, vs: vs, whole: whole,
-		bytes: sizeClass(int64(unsafe.Sizeof(version{}))*int64(cap(vs))) + sizeClass(int64(unsafe.Sizeof(flatRange{}))) + bytesAlloc(len(start)) + bytesAlloc(len(end))}
+		bytes: allocsize.Class(storedkv.VersionSize*int64(cap(vs))) + allocsize.Class(int64(unsafe.Sizeof(flatRange{}))) + allocsize.Bytes(len(start)) + allocsize.Bytes(len(end))}
 }
 
 // get returns the cached slice of [start, end) of snap that covers key on,
@@ -169,5 +172,5 @@ func (e *flatRange) count(key []byte) int64 { return int64(len(e.vs) - e.search(
 
 // search returns the index of the entry's first version from key on.
 func (e *flatRange) search(key []byte) int {
-	return sort.Search(len(e.vs), func(i int) bool { return bytes.Compare(e.vs[i].key(), key) >= 0 })
+	return sort.Search(len(e.vs), func(i int) bool { return bytes.Compare(e.vs[i].Key(), key) >= 0 })
 }

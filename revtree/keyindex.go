@@ -4,9 +4,8 @@ import (
 	"bytes"
 	"sort"
 	"sync/atomic"
-	"unsafe"
 
-	"go.etcd.io/etcd/api/v3/mvccpb"
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/storedkv"
 )
 
 // The key index: every key's versions, as etcd's keyIndex keeps them.
@@ -45,130 +44,13 @@ import (
 //     stay readable however long they are held, as with trees.
 
 // version is one state of a key at a revision: what a put stored (an
-// entry, or a bare encoding: entry.go), or nothing for a delete.
-type version struct {
-	// tagged is the revision; for a bare encoding, -(rev<<1 | packed),
-	// packed being 1 for one in a slab (pack.go).
-	tagged int64
-	p      unsafe.Pointer // *entry, a bare encoding, or nil for a delete
-}
-
-func putVersion(rev int64, kv *mvccpb.KeyValue) version {
-	return version{tagged: rev, p: unsafe.Pointer(entryOf(kv))}
-}
-
-func bareVersion(rev int64, bare unsafe.Pointer) version {
-	return version{tagged: -(rev << 1), p: bare}
-}
-
-func packedVersion(rev int64, bare unsafe.Pointer) version {
-	return version{tagged: -(rev<<1 | 1), p: bare}
-}
-
-func deleteVersion(rev int64) version { return version{tagged: rev} }
-
-// rev is the version's revision.
-func (v version) rev() int64 {
-	if v.tagged < 0 {
-		return -v.tagged >> 1
-	}
-	return v.tagged
-}
-
-// isPut reports whether the version is a put's.
-func (v version) isPut() bool { return v.p != nil }
-
-// isBare reports whether the version holds a bare encoding, not an entry.
-func (v version) isBare() bool { return v.tagged < 0 }
-
-// isPacked reports whether the version holds a bare encoding in a slab.
-func (v version) isPacked() bool { return v.tagged < 0 && -v.tagged&1 == 1 }
-
-// entry returns the version's entry; the version is a put's and not bare.
-func (v version) entry() *entry { return (*entry)(v.p) }
-
-// kv returns the version's KeyValue, made in m if the version holds a
-// bare encoding; the version is a put's.
-func (v version) kv(m *kvMaker) *mvccpb.KeyValue {
-	if v.isBare() {
-		return m.make(v.p)
-	}
-	return &v.entry().kv
-}
-
-// kvVersion returns the Version field of the version's KeyValue without
-// making one; the version is a put's.
-func (v version) kvVersion() int64 {
-	if v.isBare() {
-		var e entry
-		bareEntry(v.p, &e)
-		return e.kv.Version
-	}
-	return v.entry().kv.Version
-}
-
-// key returns the key of the version; the version is a put's.
-func (v version) key() []byte {
-	if v.isBare() {
-		return bareKey(v.p)
-	}
-	return v.entry().kv.Key
-}
-
-// versionArray is a key's versions in revision order (a Txn that touches a
-// key twice leaves two at one revision; the later one wins), in one
-// allocation: the header, then the slots. The header holds the capacity in
-// its high 32 bits and the count published in its low 32; the published
-// slots never change. The writer appends by filling the slot past the
-// count and then storing the header, or, when the array is full, by
-// publishing a new array.
-//
-// An array of one slot (most keys have one version) is a versionArray1,
-// its slot right after the header; a larger one is a []version whose
-// first element holds the header (so that the allocation's pointers are
-// where a []version has them).
-type versionArray struct {
-	header atomic.Int64
-}
-
-type versionArray1 struct {
-	versionArray
-	slot version
-}
-
-func newVersionArray(capacity int) *versionArray {
-	var a *versionArray
-	if capacity == 1 {
-		a = &(&versionArray1{}).versionArray
-	} else {
-		vs := make([]version, capacity+1)
-		a = (*versionArray)(unsafe.Pointer(&vs[0]))
-	}
-	a.publish(capacity, 0)
-	return a
-}
-
-// load returns the array's capacity and published count.
-func (a *versionArray) load() (capacity, n int) {
-	h := a.header.Load()
-	return int(h >> 32), int(uint32(h))
-}
-
-// publish makes the first n slots readable.
-func (a *versionArray) publish(capacity, n int) { a.header.Store(int64(capacity)<<32 | int64(n)) }
-
-// slots returns the first n slots of the array, of the capacity given.
-func (a *versionArray) slots(capacity, n int) []version {
-	offset := unsafe.Sizeof(version{})
-	if capacity == 1 {
-		offset = unsafe.Offsetof(versionArray1{}.slot)
-	}
-	return unsafe.Slice((*version)(unsafe.Add(unsafe.Pointer(a), offset)), n)
-}
+// entry, or a bare encoding), or nothing for a delete. storedkv owns its
+// layout.
+type version = storedkv.Version
 
 // keyHistory is one key of the index: its versions.
 type keyHistory struct {
-	list atomic.Pointer[versionArray]
+	list atomic.Pointer[storedkv.VersionArray]
 }
 
 func keyHistoryLess(a, b *keyHistory) bool { return bytes.Compare(a.key(), b.key()) < 0 }
@@ -177,9 +59,9 @@ func keyHistoryLess(a, b *keyHistory) bool { return bytes.Compare(a.key(), b.key
 // least one, of which at least one is a put), in an array of cap slots.
 func newKeyHistory(vs []version, capacity int) *keyHistory {
 	capacity = max(capacity, len(vs))
-	a := newVersionArray(capacity)
-	copy(a.slots(capacity, len(vs)), vs)
-	a.publish(capacity, len(vs))
+	a := storedkv.NewVersionArray(capacity)
+	copy(a.Slots(capacity, len(vs)), vs)
+	a.Publish(capacity, len(vs))
 	h := &keyHistory{}
 	h.list.Store(a)
 	return h
@@ -189,21 +71,18 @@ func newKeyHistory(vs []version, capacity int) *keyHistory {
 // version is an entry of the key alone. A search's own, not shared.
 type searchKey struct {
 	h keyHistory
-	a versionArray1
-	e entry
+	p storedkv.Probe
 }
 
 func newSearchKey() *searchKey {
 	k := &searchKey{}
-	k.a.slot = version{tagged: 1, p: unsafe.Pointer(&k.e)}
-	k.a.publish(1, 1)
-	k.h.list.Store(&k.a.versionArray)
+	k.h.list.Store(k.p.Array())
 	return k
 }
 
 // set returns the keyHistory to search for key with.
 func (k *searchKey) set(key []byte) *keyHistory {
-	k.e.kv.Key = key
+	k.p.SetKey(key)
 	return &k.h
 }
 
@@ -213,8 +92,8 @@ func searchFor(key []byte) *keyHistory { return newSearchKey().set(key) }
 // key returns the key: that of its first put, every history having one.
 func (h *keyHistory) key() []byte {
 	for _, v := range h.published() {
-		if v.isPut() {
-			return v.key()
+		if v.IsPut() {
+			return v.Key()
 		}
 	}
 	return nil
@@ -222,29 +101,29 @@ func (h *keyHistory) key() []byte {
 
 // capacity returns the capacity of the key's version array.
 func (h *keyHistory) capacity() int {
-	c, _ := h.list.Load().load()
+	c, _ := h.list.Load().Load()
 	return c
 }
 
 // published returns the key's published versions.
 func (h *keyHistory) published() []version {
 	a := h.list.Load()
-	capacity, n := a.load()
-	return a.slots(capacity, n)
+	capacity, n := a.Load()
+	return a.Slots(capacity, n)
 }
 
 // at returns the key's version at rev: its newest at or below rev, and
 // false if that is a delete or the key had no version yet.
 func (h *keyHistory) at(rev int64) (version, bool) {
 	vs := h.published()
-	if last := vs[len(vs)-1]; last.rev() <= rev {
-		return last, last.isPut() // the common case: the key's newest version
+	if last := vs[len(vs)-1]; last.Rev() <= rev {
+		return last, last.IsPut() // the common case: the key's newest version
 	}
-	i := sort.Search(len(vs), func(i int) bool { return vs[i].rev() > rev })
+	i := sort.Search(len(vs), func(i int) bool { return vs[i].Rev() > rev })
 	if i == 0 {
 		return version{}, false
 	}
-	return vs[i-1], vs[i-1].isPut()
+	return vs[i-1], vs[i-1].IsPut()
 }
 
 // latest returns the key's newest version.
@@ -257,19 +136,19 @@ func (h *keyHistory) latest() version {
 // the key's version array grew by (memory.go).
 func (h *keyHistory) add(v version) int64 {
 	a := h.list.Load()
-	capacity, n := a.load()
+	capacity, n := a.Load()
 	if n < capacity {
-		a.slots(capacity, n+1)[n] = v
-		a.publish(capacity, n+1)
+		a.Slots(capacity, n+1)[n] = v
+		a.Publish(capacity, n+1)
 		return 0
 	}
-	grown := newVersionArray(2 * capacity)
-	s := grown.slots(2*capacity, n+1)
-	copy(s, a.slots(capacity, n))
+	grown := storedkv.NewVersionArray(2 * capacity)
+	s := grown.Slots(2*capacity, n+1)
+	copy(s, a.Slots(capacity, n))
 	s[n] = v
-	grown.publish(2*capacity, n+1)
+	grown.Publish(2*capacity, n+1)
 	h.list.Store(grown)
-	return versionArrayBytes(2*capacity) - versionArrayBytes(capacity)
+	return storedkv.VersionArrayBytes(2*capacity) - storedkv.VersionArrayBytes(capacity)
 }
 
 // versionCap is the capacity a swept history of n versions gets: room

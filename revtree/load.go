@@ -2,10 +2,12 @@ package revtree
 
 import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/storedkv"
 )
 
 // Load is a keyspace read from etcd page by page, kept as the store's
-// copies (entry.go: bare encodings, packed into slabs, pack.go): each
+// copies (storedkv: bare encodings, packed into slabs): each
 // page is copied as it arrives, so that what was
 // decoded from etcd is garbage before the next page is read, and the load
 // holds one copy of the keyspace, not two. The store counts a load's
@@ -15,7 +17,7 @@ import (
 type Load struct {
 	s      *Store
 	vs     []version // one put of each key
-	packer packer
+	packer storedkv.Packer
 	bytes  int64 // counted in s.loadingBytes
 }
 
@@ -30,26 +32,23 @@ func (s *Store) NewLoad() *Load { return &Load{s: s} }
 // added before it, into the load; kvs are not kept.
 func (l *Load) Add(kvs []*mvccpb.KeyValue) {
 	var n int64
-	slabs := len(l.packer.slabs)
+	packed := l.packer.Bytes()
 	for _, kv := range kvs {
-		var v version
-		if p := l.packer.pack(kv); p != nil {
-			v = packedVersion(kv.ModRevision, p)
-		} else {
-			v = loadedVersion(kv)
-			n += versionBytes(v)
+		v, ok := l.packer.Pack(kv)
+		if !ok {
+			v = storedkv.Loaded(kv)
+			n += v.Bytes()
 		}
 		l.vs = append(l.vs, v)
 		n += loadSlotBytes
 	}
-	l.count(n, slabs)
+	l.count(n, packed)
 }
 
-// count counts n bytes and the slabs started since there were slabs.
-func (l *Load) count(n int64, slabs int) {
-	for _, sl := range l.packer.slabs[slabs:] {
-		n += slabAllocBytes(cap(sl.buf)) + slabStructBytes
-	}
+// count counts n bytes and the slabs started since the packer's slabs
+// took packed bytes.
+func (l *Load) count(n, packed int64) {
+	n += l.packer.Bytes() - packed
 	l.bytes += n
 	l.s.loadingBytes.Add(n)
 }
@@ -58,26 +57,20 @@ func (l *Load) count(n int64, slabs int) {
 // (AppendKeyValue's), after the keys added before it; enc is not kept. It
 // returns the key, the store's copy of it.
 func (l *Load) AddEncoded(enc []byte) ([]byte, error) {
-	slabs := len(l.packer.slabs)
-	var v version
+	packed := l.packer.Bytes()
 	var n int64
-	var e entry
-	if parseCanonical(enc, &e) {
-		if p := l.packer.packEncoding(enc); p != nil {
-			v = packedVersion(e.kv.ModRevision, p)
-		}
-	}
-	if v.p == nil {
+	v, ok := l.packer.PackEncoding(enc)
+	if !ok {
 		kv, err := DecodeKeyValue(enc)
 		if err != nil {
 			return nil, err
 		}
-		v = storedVersion(kv)
-		n += versionBytes(v)
+		v = storedkv.Stored(kv)
+		n += v.Bytes()
 	}
 	l.vs = append(l.vs, v)
-	l.count(n+loadSlotBytes, slabs)
-	return v.key(), nil
+	l.count(n+loadSlotBytes, packed)
+	return v.Key(), nil
 }
 
 // Len is the number of keys added.
@@ -87,13 +80,13 @@ func (l *Load) Len() int { return len(l.vs) }
 // garbage. A discarded (or reset) load cannot be used again.
 func (l *Load) Discard() {
 	l.s.loadingBytes.Add(-l.bytes)
-	l.bytes, l.vs, l.packer = 0, nil, packer{}
+	l.bytes, l.vs, l.packer = 0, nil, storedkv.Packer{}
 }
 
 // ResetLoad replaces the whole store with the load's keys as the keyspace
 // at rev, as Reset(rev, kvs, compactRev) would with the pages added, and
 // ends the load.
 func (s *Store) ResetLoad(rev int64, l *Load, compactRev int64) {
-	s.reset(rev, l.vs, l.packer.slabs, compactRev)
+	s.reset(rev, l.vs, l.packer.Slabs(), compactRev)
 	l.Discard()
 }

@@ -6,6 +6,8 @@ import (
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/storedkv"
 )
 
 // TestLoad: a keyspace loaded page by page is the keyspace Reset makes of
@@ -56,14 +58,14 @@ func TestLoad(t *testing.T) {
 			t.Fatal(err)
 		}
 		var got []*mvccpb.KeyValue
-		var m kvMaker
-		gotView.ascend([]byte{0}, nil, func(ver version) bool { got = append(got, ver.kv(&m)); return true })
+		var m storedkv.KVMaker
+		gotView.ascend([]byte{0}, nil, func(ver version) bool { got = append(got, ver.KV(&m)); return true })
 		i := 0
 		wantView.Ascend([]byte{0}, nil, func(kv *mvccpb.KeyValue) bool {
 			if i >= len(got) || !proto.Equal(got[i], kv) {
 				t.Fatalf("value %d: key %d differs from Reset's: %v", value, i, kv.Key)
 			}
-			if e1, e2 := encoding(got[i]), encoding(kv); string(e1) != string(e2) {
+			if e1, e2 := storedkv.Encoding(got[i]), storedkv.Encoding(kv); string(e1) != string(e2) {
 				t.Fatalf("value %d: key %q: encoding differs from Reset's", value, kv.Key)
 			}
 			i++

@@ -9,6 +9,8 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/storedkv"
 )
 
 // TestPackedSlabsEvacuate: a load packs its encodings into slabs; as the
@@ -25,9 +27,9 @@ func TestPackedSlabsEvacuate(t *testing.T) {
 		kvs[i] = &mvccpb.KeyValue{Key: fmt.Appendf(nil, "/registry/configmaps/%05d", i), Value: value, CreateRevision: 1, ModRevision: 1, Version: 1}
 	}
 	s.Reset(1, kvs, 0)
-	loaded := len(s.slabs.slabs)
-	if loaded < 10 || s.slabs.live != s.liveBytes {
-		t.Fatalf("after the load: %d slabs, %d live bytes in them, %d live bytes in all", loaded, s.slabs.live, s.liveBytes)
+	loaded := len(s.slabs.Slabs())
+	if loaded < 10 || s.slabs.Live() != s.liveBytes {
+		t.Fatalf("after the load: %d slabs, %d live bytes in them, %d live bytes in all", loaded, s.slabs.Live(), s.liveBytes)
 	}
 	all := &pb.RangeRequest{Key: []byte{0}, RangeEnd: []byte{0}}
 	rev := int64(1)
@@ -48,21 +50,21 @@ func TestPackedSlabsEvacuate(t *testing.T) {
 	if len(after.Kvs) != keys || !proto.Equal(before, after) {
 		t.Fatalf("reads changed when slabs were evacuated")
 	}
-	for _, sl := range s.slabs.slabs {
-		if 2*sl.live < int64(cap(sl.buf)) {
-			t.Errorf("a slab holds %d of its %d bytes, and was not evacuated", sl.live, cap(sl.buf))
+	for _, sl := range s.slabs.Slabs() {
+		if 2*sl.Live() < int64(sl.Cap()) {
+			t.Errorf("a slab holds %d of its %d bytes, and was not evacuated", sl.Live(), sl.Cap())
 		}
 	}
-	if len(s.slabs.slabs) >= loaded/2 {
-		t.Errorf("%d of %d slabs left once two keys in three were rewritten", len(s.slabs.slabs), loaded)
+	if len(s.slabs.Slabs()) >= loaded/2 {
+		t.Errorf("%d of %d slabs left once two keys in three were rewritten", len(s.slabs.Slabs()), loaded)
 	}
-	if s.slabDead != s.slabs.dead() {
-		t.Errorf("the estimate counts %d dead slab bytes, the slabs hold %d", s.slabDead, s.slabs.dead())
+	if s.slabDead != s.slabs.Dead() {
+		t.Errorf("the estimate counts %d dead slab bytes, the slabs hold %d", s.slabDead, s.slabs.Dead())
 	}
 	// The keys left from the load were copied out of their slabs.
 	for i := 2; i < keys; i += 3 {
 		h, ok := s.index.Get(searchFor(kvs[i].Key))
-		if !ok || !bytes.Equal(h.latest().kv(&kvMaker{}).Value, value) {
+		if !ok || !bytes.Equal(h.latest().KV(&storedkv.KVMaker{}).Value, value) {
 			t.Fatalf("%q lost its value", kvs[i].Key)
 		}
 	}

@@ -7,6 +7,8 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/storedkv"
 )
 
 // RangeOptions selects behaviour that differs between etcd releases.
@@ -217,9 +219,9 @@ func (v View) scan(key, end []byte) []version {
 // makeKVs returns the KeyValues of vs, each a put's.
 func makeKVs(vs []version) []*mvccpb.KeyValue {
 	kvs := make([]*mvccpb.KeyValue, len(vs))
-	m := kvMaker{first: len(vs)}
+	m := storedkv.KVMaker{First: len(vs)}
 	for i, ver := range vs {
-		kvs[i] = ver.kv(&m)
+		kvs[i] = ver.KV(&m)
 	}
 	return kvs
 }
@@ -239,8 +241,8 @@ func (v View) Get(key []byte) (*mvccpb.KeyValue, bool) {
 	if !ok {
 		return nil, false
 	}
-	m := kvMaker{first: 1}
-	return ver.kv(&m), true
+	m := storedkv.KVMaker{First: 1}
+	return ver.KV(&m), true
 }
 
 // Ascend calls fn for every key-value in [key, end) in key order until fn
@@ -249,15 +251,8 @@ func (v View) Get(key []byte) (*mvccpb.KeyValue, bool) {
 // changes, but not kv itself (a walk of the whole keyspace, a hash check's
 // or a copy to disk, makes no garbage of a KeyValue per key).
 func (v View) Ascend(key, end []byte, fn func(kv *mvccpb.KeyValue) bool) {
-	e := &entry{}
-	v.ascend(key, end, func(ver version) bool {
-		if !ver.isBare() {
-			return fn(&ver.entry().kv)
-		}
-		*e = entry{}
-		bareEntry(ver.p, e)
-		return fn(&e.kv)
-	})
+	e := &storedkv.Entry{}
+	v.ascend(key, end, func(ver version) bool { return fn(ver.KVIn(e)) })
 }
 
 // ascend calls fn with the version at the view's revision of every key in

@@ -4,13 +4,14 @@ import (
 	"encoding/binary"
 	"slices"
 	"sync"
-	"unsafe"
 
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/storedkv"
 )
 
 // Result is a Range's answer from a view (View.Result). Its key-values
@@ -57,7 +58,7 @@ func (x *Result) LastKey() []byte {
 	case x.made && len(x.kvs) > 0:
 		return x.kvs[len(x.kvs)-1].Key
 	case !x.made && len(x.vs) > 0:
-		return x.vs[len(x.vs)-1].key()
+		return x.vs[len(x.vs)-1].Key()
 	}
 	return nil
 }
@@ -75,7 +76,7 @@ func (x *Result) Response() *pb.RangeResponse {
 // Field numbers and tags of RangeResponse (rpc.proto).
 const (
 	rangeHeaderTag = 1<<3 | 2 // header, length-delimited
-	rangeKVTag     = 2<<3 | 2 // kvs, length-delimited
+	rangeKVTag     = storedkv.RangeKVTag
 	rangeMoreTag   = 3<<3 | 0 // more, varint
 	rangeCountTag  = 4<<3 | 0 // count, varint
 )
@@ -92,14 +93,14 @@ func (x *Result) Size() int {
 		for i, kv := range x.kvs {
 			fields[i] = nil
 			if enc := x.storedEncoding(kv); enc != nil {
-				fields[i] = field(enc)
+				fields[i] = storedkv.Field(enc)
 			}
 		}
 	} else {
 		for i, ver := range x.vs {
 			fields[i] = nil
-			if enc := versionEncoding(ver); enc != nil {
-				fields[i] = field(enc)
+			if enc := ver.Encoding(); enc != nil {
+				fields[i] = storedkv.Field(enc)
 			}
 		}
 	}
@@ -155,7 +156,7 @@ func (x *Result) AppendTo(b []byte) ([]byte, error) {
 // AppendPieces appends the encoding of the response, the bytes
 // proto.Marshal gives, to pieces, as byte slices to be sent one after the
 // other, and returns them. A stored key-value's kvs field is its stored
-// bytes themselves (entry.go), and the fields of key-values packed one
+// bytes themselves (storedkv.Field), and the fields of key-values packed one
 // after the other in a slab are one piece: a read copies none of them. The
 // rest (the header, more and count, a key-value without a stored encoding
 // or stripped to its key, and fields under minPieceBytes, cheaper to copy
@@ -204,13 +205,13 @@ func (x *Result) writePieces(w *pieceWriter) error {
 	for i, f := range (*x.fields)[:x.Len()] {
 		switch {
 		case f != nil:
-			w.stored(f, !x.made && x.vs[i].isPacked())
+			w.stored(f, !x.made && x.vs[i].IsPacked())
 		case x.made:
 			if err := w.encode(rangeKVTag, x.kvs[i]); err != nil {
 				return err
 			}
 		default:
-			if err := w.encode(rangeKVTag, &x.vs[i].entry().kv); err != nil {
+			if err := w.encode(rangeKVTag, x.vs[i].EntryKV()); err != nil {
 				return err
 			}
 		}
@@ -248,15 +249,15 @@ type pieceWriter struct {
 	run []byte
 }
 
-// stored adds f, a stored key-value's field (field), packed in a slab or
-// not. A packed field that starts where the run ends joins it: a slab's
-// last byte is never written (pack.go), so a packed field that ends at
-// some address is in the slab of the one that starts there.
+// stored adds f, a stored key-value's field (storedkv.Field), packed in a
+// slab or not. A packed field that starts where the run ends joins it
+// (storedkv.Join).
 func (w *pieceWriter) stored(f []byte, packed bool) {
-	if packed && len(w.run) > 0 &&
-		uintptr(unsafe.Pointer(unsafe.SliceData(w.run)))+uintptr(len(w.run)) == uintptr(unsafe.Pointer(unsafe.SliceData(f))) {
-		w.run = unsafe.Slice(unsafe.SliceData(w.run), len(w.run)+len(f))
-		return
+	if packed && len(w.run) > 0 {
+		if run, ok := storedkv.Join(w.run, f); ok {
+			w.run = run
+			return
+		}
 	}
 	w.endRun()
 	if packed {
@@ -328,14 +329,6 @@ func (w *pieceWriter) flush() {
 	}
 }
 
-// field returns the kvs field of a stored encoding: the encoding after
-// the tag and the length that precede it in the store (entry.go).
-func field(enc []byte) []byte {
-	n := 1 + protowire.SizeVarint(uint64(len(enc)))
-	start := unsafe.Add(unsafe.Pointer(unsafe.SliceData(enc)), -n)
-	return unsafe.Slice((*byte)(start), n+len(enc))
-}
-
 // storedEncoding returns the stored encoding of kv, a made key-value of the
 // result; nil for the copies of a keys-only response, which have none,
 // and for a stored key-value without one.
@@ -343,14 +336,5 @@ func (x *Result) storedEncoding(kv *mvccpb.KeyValue) []byte {
 	if x.r.KeysOnly {
 		return nil
 	}
-	return encoding(kv)
-}
-
-// versionEncoding returns the encoding of what a put's version holds, nil
-// for an entry without one.
-func versionEncoding(ver version) []byte {
-	if ver.isBare() {
-		return bareEncoding(ver.p)
-	}
-	return encoding(&ver.entry().kv)
+	return storedkv.Encoding(kv)
 }

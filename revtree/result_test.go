@@ -11,6 +11,8 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/storedkv"
 )
 
 // TestResultPiecesAreTheStoredBytes: a Range response's pieces are
@@ -22,7 +24,7 @@ import (
 // allocations. The counting pass counts exactly what is made, and counts
 // gone stale (the header changed after Size) cost nothing but room.
 // Checked for a loaded keyspace of many slabs (values of every size up to
-// past maxPackedBytes, which are not packed; and fields of 64 bytes each,
+// past storedkv.MaxPackedBytes, which are not packed; and fields of 64 bytes each,
 // which fill slabs of a multiple of 64 bytes to the last byte but for the
 // rule), and after writes and a compaction have left entries, bare
 // encodings of their own and evacuated slabs beside the packed ones.
@@ -31,14 +33,14 @@ func TestResultPiecesAreTheStoredBytes(t *testing.T) {
 		r := rand.New(rand.NewPCG(7, 8))
 		testResultPieces(t, r, func() int {
 			if r.IntN(100) == 0 {
-				return maxPackedBytes + r.IntN(100)
+				return storedkv.MaxPackedBytes + r.IntN(100)
 			}
 			return r.IntN(400)
 		})
 	})
 	t.Run("64-byte fields", func(t *testing.T) {
 		kv := &mvccpb.KeyValue{Key: []byte("k/00000"), CreateRevision: 5000, ModRevision: 5000, Version: 1}
-		for bareLen(kvEncodedSize(kv, 0)) < 64 {
+		for len(storedkv.Field(storedkv.Encoding(storedkv.New(kv)))) < 64 {
 			kv.Value = append(kv.Value, 'v')
 		}
 		testResultPieces(t, rand.New(rand.NewPCG(9, 10)), func() int { return len(kv.Value) })
@@ -62,8 +64,8 @@ func testResultPieces(t *testing.T, r *rand.Rand, size func() int) {
 		kvs[i] = &mvccpb.KeyValue{Key: fmt.Appendf(nil, "k/%05d", i), Value: value(), CreateRevision: keys, ModRevision: keys, Version: 1}
 	}
 	s.Reset(keys, kvs, 0)
-	if len(s.slabs.slabs) < 10 {
-		t.Fatalf("the load packed %d slabs; want more", len(s.slabs.slabs))
+	if len(s.slabs.Slabs()) < 10 {
+		t.Fatalf("the load packed %d slabs; want more", len(s.slabs.Slabs()))
 	}
 	all := &pb.RangeRequest{Key: []byte{0}, RangeEnd: []byte{0}}
 	check := func(name string, rev int64, maxPieces int) {
@@ -113,12 +115,12 @@ func testResultPieces(t *testing.T, r *rand.Rand, size func() int) {
 		stored := 0
 		for _, p := range pieces {
 			start := uintptr(unsafe.Pointer(unsafe.SliceData(p)))
-			sl := s.slabs.find(unsafe.Pointer(unsafe.SliceData(p)))
+			sl := s.slabs.Find(p)
 			if sl == nil {
 				continue
 			}
 			stored++
-			if end := start + uintptr(len(p)); end >= sl.base()+uintptr(cap(sl.buf)) {
+			if slabEnd, _ := sl.Contains(p); start+uintptr(len(p)) >= slabEnd {
 				t.Fatalf("%s: a piece of %d bytes reaches the last byte of its slab or past it", name, len(p))
 			}
 		}
@@ -138,7 +140,7 @@ func testResultPieces(t *testing.T, r *rand.Rand, size func() int) {
 		}
 	}
 	// A header, each slab's run and each unpacked value between, a count.
-	check("loaded", keys, 2*len(s.slabs.slabs)+keys/50)
+	check("loaded", keys, 2*len(s.slabs.Slabs())+keys/50)
 
 	// Rewrite one key in four, then drop every revision but the last:
 	// the sweep bares the entries and evacuates the slabs left under half.

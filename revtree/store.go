@@ -9,6 +9,8 @@ import (
 	"github.com/google/btree"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/storedkv"
 )
 
 // DefaultDegree is the B-tree degree of the key index. Memory per retained
@@ -61,8 +63,8 @@ type Store struct {
 	// (sweep.go).
 	sweep sweep
 	// slabs is the slabs of the packed encodings of the last load
-	// (pack.go).
-	slabs slabSet
+	// (storedkv).
+	slabs storedkv.SlabSet
 
 	mu sync.RWMutex
 	// Guarded by mu: the published state.
@@ -92,7 +94,7 @@ type Store struct {
 	// dirty marks the keys of the snapshots dropped since the running
 	// sweep, if any, took the marks: the keys whose versions it prunes.
 	dirty map[string]struct{}
-	// slabDead is slabs.dead() when the writer last published.
+	// slabDead is slabs.Dead() when the writer last published.
 	slabDead int64
 
 	flat flatRanges // pages of recent paginated reads; its own lock
@@ -213,7 +215,7 @@ func (s *Store) publishLocked() {
 }
 
 // Reset replaces the whole store with kvs as the keyspace at rev, discarding
-// every snapshot. The store keeps copies of kvs (entry.go). compactRev is
+// every snapshot. The store keeps copies of kvs (storedkv). compactRev is
 // etcd's compaction revision as known to the caller; it never moves the
 // store's compaction revision backwards.
 func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
@@ -222,31 +224,12 @@ func (s *Store) Reset(rev int64, kvs []*mvccpb.KeyValue, compactRev int64) {
 	s.ResetLoad(rev, l, compactRev)
 }
 
-// loadedVersion is the version the store keeps of kv, a key-value of a
-// keyspace it loads: its bare encoding, or a copy as an entry if it has
-// none.
-func loadedVersion(kv *mvccpb.KeyValue) version {
-	if p := newBare(kv); p != nil {
-		return bareVersion(kv.ModRevision, p)
-	}
-	return putVersion(kv.ModRevision, newEntry(kv))
-}
-
-// storedVersion is the version of an entry the store keeps as a key's
-// only one: its bare encoding if it has one.
-func storedVersion(kv *mvccpb.KeyValue) version {
-	if p := entryOf(kv).bare(); p != nil {
-		return bareVersion(kv.ModRevision, p)
-	}
-	return putVersion(kv.ModRevision, kv)
-}
-
 // reset is Reset of vs, the versions of the keyspace, each a put's, whose
 // packed encodings are in slabs.
-func (s *Store) reset(rev int64, vs []version, slabs []*slab, compactRev int64) {
+func (s *Store) reset(rev int64, vs []version, slabs []*storedkv.Slab, compactRev int64) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	set := newSlabSet(slabs)
+	set := storedkv.NewSlabSet(slabs)
 	index, live, indexBytes := s.newIndex(vs, &set)
 	s.slabs = set
 	s.index, s.indexChanged = index, true
@@ -257,7 +240,7 @@ func (s *Store) reset(rev int64, vs []version, slabs []*slab, compactRev int64) 
 	defer s.mu.Unlock()
 	s.publishLocked()
 	s.replaceLocked(snaps, rev, compactRev)
-	s.slabDead = s.slabs.dead()
+	s.slabDead = s.slabs.Dead()
 	s.liveBytes, s.historyBytes, s.indexBytes = live, 0, indexBytes
 	s.liveKeys, s.indexKeys = index.Len(), index.Len()
 }
@@ -265,18 +248,18 @@ func (s *Store) reset(rev int64, vs []version, slabs []*slab, compactRev int64) 
 // newIndex returns a key index of one version of each key, vs (each a
 // put's; of a key given twice, the last), with the bytes of what they hold
 // and of its keys' histories; a packed version replaced leaves its slab.
-func (s *Store) newIndex(vs []version, slabs *slabSet) (index *btree.BTreeG[*keyHistory], live, indexBytes int64) {
+func (s *Store) newIndex(vs []version, slabs *storedkv.SlabSet) (index *btree.BTreeG[*keyHistory], live, indexBytes int64) {
 	index = btree.NewG(s.degree, keyHistoryLess)
 	for _, v := range vs {
 		h := newKeyHistory([]version{v}, 1)
 		if old, replaced := index.ReplaceOrInsert(h); replaced {
-			live -= versionBytes(old.latest())
+			live -= old.latest().Bytes()
 			indexBytes -= keyHistoryBytes(1)
-			if old.latest().isPacked() {
-				slabs.release(old.latest())
+			if old.latest().IsPacked() {
+				slabs.Release(old.latest())
 			}
 		}
-		live += versionBytes(v)
+		live += v.Bytes()
 		indexBytes += keyHistoryBytes(1)
 	}
 	return index, live, indexBytes
@@ -308,14 +291,14 @@ func (s *Store) replaceLocked(snaps *btree.BTreeG[*snapshot], rev, compactRev in
 func (s *Store) Restore(base int64, kvs []*mvccpb.KeyValue, batches []Batch, rev, compactRev int64) error {
 	l := s.NewLoad()
 	for _, kv := range kvs {
-		if enc := encoding(kv); enc != nil && entryOf(kv).canonical {
+		if enc := storedkv.CanonicalEncoding(kv); enc != nil {
 			if _, err := l.AddEncoded(enc); err == nil {
 				continue
 			}
 		}
-		v := storedVersion(kv)
+		v := storedkv.Stored(kv)
 		l.vs = append(l.vs, v)
-		l.count(versionBytes(v)+loadSlotBytes, len(l.packer.slabs))
+		l.count(v.Bytes()+loadSlotBytes, l.packer.Bytes())
 	}
 	return s.RestoreLoad(base, []*Load{l}, batches, rev, compactRev)
 }
@@ -324,10 +307,10 @@ func (s *Store) Restore(base int64, kvs []*mvccpb.KeyValue, batches []Batch, rev
 // (AddEncoded's: a copy on disk read in parts at once), and ends them.
 func (s *Store) RestoreLoad(base int64, loads []*Load, batches []Batch, rev, compactRev int64) error {
 	var vs []version
-	var slabs []*slab
+	var slabs []*storedkv.Slab
 	for _, l := range loads {
 		vs = append(vs, l.vs...)
-		slabs = append(slabs, l.packer.slabs...)
+		slabs = append(slabs, l.packer.Slabs()...)
 	}
 	defer func() {
 		for _, l := range loads {
@@ -336,7 +319,7 @@ func (s *Store) RestoreLoad(base int64, loads []*Load, batches []Batch, rev, com
 	}()
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	set := newSlabSet(slabs)
+	set := storedkv.NewSlabSet(slabs)
 	index, live, indexBytes := s.newIndex(vs, &set)
 	snaps := btree.NewG(32, snapshotLess)
 	snaps.ReplaceOrInsert(&snapshot{rev: base})
@@ -376,7 +359,7 @@ func (s *Store) RestoreLoad(base int64, loads []*Load, batches []Batch, rev, com
 	s.mu.Lock()
 	s.publishLocked()
 	s.replaceLocked(snaps, rev, compactRev)
-	s.slabDead = s.slabs.dead()
+	s.slabDead = s.slabs.Dead()
 	s.liveBytes, s.historyBytes, s.indexBytes = total.live, historyBytes, total.indexBytes
 	s.liveKeys, s.indexKeys = total.liveKeys, total.indexKeys
 	s.mu.Unlock()
@@ -408,7 +391,7 @@ func (s *Store) Unload() {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
 	s.index, s.indexChanged = btree.NewG(s.degree, keyHistoryLess), true
-	s.slabs = slabSet{}
+	s.slabs = storedkv.SlabSet{}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.publishLocked()
@@ -424,7 +407,7 @@ func (s *Store) Unload() {
 
 // Apply applies the events of exactly one revision, rev, which must be
 // greater than the store's revision. It fills in each event's PrevKv from the
-// store, replaces each put's Kv with the store's copy of it (entry.go), and
+// store, replaces each put's Kv with the store's copy of it (storedkv), and
 // returns the events. On ErrInconsistent the store is unchanged.
 func (s *Store) Apply(rev int64, events []*mvccpb.Event) ([]*mvccpb.Event, error) {
 	s.writeMu.Lock()
@@ -501,30 +484,28 @@ func (s *Store) indexEvents(rev int64, events []*mvccpb.Event, first *keyHistory
 		}
 		ev.PrevKv = nil
 		snap.bytes += eventBytes
-		if prev.isPut() {
-			if prev.isBare() {
+		if prev.IsPut() {
+			if prev.IsBare() {
 				// The event's own KeyValue of it.
-				e := &entry{}
-				bareEntry(prev.p, e)
-				ev.PrevKv = &e.kv
-				snap.bytes += entryBytes
+				ev.PrevKv = prev.KVIn(&storedkv.Entry{})
+				snap.bytes += storedkv.EntryBytes
 			} else {
-				ev.PrevKv = &prev.entry().kv
+				ev.PrevKv = prev.EntryKV()
 			}
-			d.live -= versionBytes(prev)
-			snap.displaced += versionBytes(prev)
+			d.live -= prev.Bytes()
+			snap.displaced += prev.Bytes()
 			d.liveKeys--
 		}
-		v := deleteVersion(rev)
+		v := storedkv.Delete(rev)
 		switch ev.Type {
 		case mvccpb.PUT:
 			kv := ev.Kv
 			if !stored {
-				kv = newEntry(kv)
+				kv = storedkv.New(kv)
 				ev.Kv = kv
 			}
-			v = putVersion(rev, kv)
-			d.live += storedBytes(kv)
+			v = storedkv.Put(rev, kv)
+			d.live += storedkv.Bytes(kv)
 			d.liveKeys++
 		case mvccpb.DELETE:
 			snap.bytes += kvBytes(ev.Kv) // the tombstone
@@ -569,8 +550,8 @@ func (s *Store) checkEvents(rev int64, events []*mvccpb.Event) (first *keyHistor
 				first = h
 			}
 			if ok {
-				if l := h.latest(); l.isPut() {
-					prev = state{live: true, version: l.kvVersion()}
+				if l := h.latest(); l.IsPut() {
+					prev = state{live: true, version: l.KVVersion()}
 				}
 			}
 		}

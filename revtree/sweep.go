@@ -1,10 +1,13 @@
 package revtree
 
 import (
+	"slices"
 	"sort"
-	"unsafe"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/allocsize"
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/storedkv"
 )
 
 // The sweep: freeing what dropped snapshots leave in the key index.
@@ -16,7 +19,7 @@ import (
 // below the oldest retained revision goes, that one too if it is a
 // delete, and the key itself if nothing is left. A key left with one
 // version, whose event history no longer holds, keeps its bare encoding
-// rather than its entry (entry.go): from then on it costs the live
+// rather than its entry (storedkv): from then on it costs the live
 // keyspace what a loaded key does. A key whose versions
 // change gets a new keyHistory with the rest of its versions, put in place
 // in the writer's tree, so that views taken before keep reading the old
@@ -68,7 +71,7 @@ const (
 // markDirtyLocked marks the keys of a dropped snapshot's events for the
 // sweep, counting each newly marked key in pendingBytes. The marks alias
 // the events' keys, which never change: a put's is its stored entry's
-// (entry.go), a delete's its tombstone's, which the mark then keeps alive
+// (storedkv), a delete's its tombstone's, which the mark then keeps alive
 // and counts. mu is held.
 func (s *Store) markDirtyLocked(events []*mvccpb.Event) {
 	for _, ev := range events {
@@ -76,7 +79,7 @@ func (s *Store) markDirtyLocked(events []*mvccpb.Event) {
 		if len(key) == 0 {
 			continue
 		}
-		k := unsafe.String(unsafe.SliceData(key), len(key))
+		k := storedkv.KeyString(key)
 		if _, ok := s.dirty[k]; !ok {
 			if s.dirty == nil {
 				s.dirty = make(map[string]struct{})
@@ -84,7 +87,7 @@ func (s *Store) markDirtyLocked(events []*mvccpb.Event) {
 			s.dirty[k] = struct{}{}
 			s.pendingBytes += dirtyKeyBytes
 			if ev.Type == mvccpb.DELETE {
-				s.pendingBytes += bytesAlloc(len(key))
+				s.pendingBytes += allocsize.Bytes(len(key))
 			}
 		}
 	}
@@ -194,7 +197,7 @@ func (s *Store) sweepStretch(n int) {
 	end := min(s.sweep.next+n, len(s.sweep.keys))
 	search := newSearchKey()
 	for _, k := range s.sweep.keys[s.sweep.next:end] {
-		h, ok := s.index.Get(search.set(unsafe.Slice(unsafe.StringData(k), len(k))))
+		h, ok := s.index.Get(search.set(storedkv.StringKey(k)))
 		if !ok {
 			continue // an earlier sweep removed it
 		}
@@ -213,22 +216,22 @@ func (s *Store) sweepStretch(n int) {
 	}
 	var bytes, live int64
 	var keys int
-	var evacuate map[*slab]bool
+	var evacuate map[*storedkv.Slab]bool
 	for _, c := range changes {
 		bytes -= keyHistoryBytes(c.old.capacity())
 		// The versions pruned, before those kept: the packed ones
-		// leave their slabs (pack.go).
+		// leave their slabs (storedkv).
 		old, kept := c.old.published(), 0
 		if c.new != nil {
 			kept = len(c.new.published())
 		}
 		for _, v := range old[:len(old)-kept] {
-			if !v.isPacked() {
+			if !v.IsPacked() {
 				continue
 			}
-			if sl := s.slabs.release(v); sl != nil {
+			if sl := s.slabs.Release(v); sl != nil {
 				if evacuate == nil {
-					evacuate = map[*slab]bool{}
+					evacuate = map[*storedkv.Slab]bool{}
 				}
 				evacuate[sl] = true
 			}
@@ -241,7 +244,7 @@ func (s *Store) sweepStretch(n int) {
 		s.index.ReplaceOrInsert(c.new)
 		bytes += keyHistoryBytes(c.new.capacity())
 		if c.bared {
-			live -= entryBytes
+			live -= storedkv.EntryBytes
 		}
 	}
 	for sl := range evacuate {
@@ -256,7 +259,7 @@ func (s *Store) sweepStretch(n int) {
 	s.indexBytes += bytes
 	s.indexKeys += keys
 	s.liveBytes += live
-	s.slabDead = s.slabs.dead()
+	s.slabDead = s.slabs.Dead()
 	s.sweep.next = end
 	if done {
 		s.pendingBytes -= s.sweep.freeing
@@ -271,19 +274,54 @@ func (s *Store) sweepStretch(n int) {
 // A key left with one version, an entry whose event is older than oldest
 // (no retained event holds it), keeps its bare encoding instead: bared.
 func pruned(vs []version, oldest int64) (keep []version, bared, changed bool) {
-	i := sort.Search(len(vs), func(i int) bool { return vs[i].rev() > oldest }) - 1
+	i := sort.Search(len(vs), func(i int) bool { return vs[i].Rev() > oldest }) - 1
 	if i < 0 {
 		return vs, false, false
 	}
 	keep = vs[i:]
-	if !keep[0].isPut() {
+	if !keep[0].IsPut() {
 		keep = keep[1:]
 	}
-	if len(keep) == 1 && keep[0].isPut() && !keep[0].isBare() && keep[0].rev() < oldest {
-		if p := keep[0].entry().bare(); p != nil {
+	if len(keep) == 1 && keep[0].Rev() < oldest {
+		if v, ok := keep[0].Bared(); ok {
 			// A new slice: vs is published.
-			return []version{bareVersion(keep[0].rev(), p)}, true, true
+			return []version{v}, true, true
 		}
 	}
 	return keep, false, len(keep) < len(vs)
+}
+
+// evacuate moves the encodings of sl that the writer's index holds into
+// allocations of their own, giving their keys new histories as the sweep
+// does, and forgets sl. It returns what that adds to the live keyspace's
+// estimate (the size classes of the copies of live keys' newest
+// versions). writeMu is held; the caller publishes the index.
+func (s *Store) evacuate(sl *storedkv.Slab) (live int64) {
+	search := newSearchKey()
+	sl.Each(func(at version, key []byte) {
+		h, ok := s.index.Get(search.set(key))
+		if !ok {
+			return
+		}
+		vs := h.published()
+		var moved []version
+		for i, v := range vs {
+			if !v.Same(at) {
+				continue
+			}
+			if moved == nil {
+				moved = slices.Clone(vs)
+			}
+			moved[i] = v.Unpacked()
+			if i == len(vs)-1 {
+				live += moved[i].Bytes() - v.Bytes()
+			}
+		}
+		if moved != nil {
+			s.index.ReplaceOrInsert(newKeyHistory(moved, h.capacity()))
+			s.indexChanged = true
+		}
+	})
+	s.slabs.Forget(sl)
+	return live
 }

@@ -13,6 +13,8 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/storedkv"
 )
 
 // modelKV is a key's state in sweepModel.
@@ -90,7 +92,7 @@ func checkSweptIndex(t *testing.T, s *Store, where string) {
 			t.Errorf("%s: %q keeps %d versions no revision from %d on reads: %v", where, h.key(), len(vs)-len(kept), oldest.rev, vs)
 		}
 		if bared {
-			t.Errorf("%s: %q keeps the entry of its one version, at %d, which no event from %d on holds", where, h.key(), vs[0].rev(), oldest.rev)
+			t.Errorf("%s: %q keeps the entry of its one version, at %d, which no event from %d on holds", where, h.key(), vs[0].Rev(), oldest.rev)
 		}
 		return true
 	})
@@ -241,7 +243,7 @@ func TestSweepKeepsBareEncodings(t *testing.T) {
 		return h.latest()
 	}
 	for _, k := range []string{"a", "b", "c"} {
-		if !latest(k).isBare() {
+		if !latest(k).IsBare() {
 			t.Errorf("loaded %q is kept as an entry", k)
 		}
 	}
@@ -255,7 +257,7 @@ func TestSweepKeepsBareEncodings(t *testing.T) {
 	if _, err := s.Apply(5, []*mvccpb.Event{{Type: mvccpb.PUT, Kv: kv("b", 2, 5, 2)}}); err != nil {
 		t.Fatal(err)
 	}
-	if v := latest("a"); v.isBare() || &v.entry().kv != evs4[0].Kv {
+	if v := latest("a"); v.IsBare() || v.EntryKV() != evs4[0].Kv {
 		t.Fatalf("a's put at 4 is not kept as its event's entry")
 	}
 	all := &pb.RangeRequest{Key: []byte{0}, RangeEnd: []byte{0}}
@@ -263,10 +265,10 @@ func TestSweepKeepsBareEncodings(t *testing.T) {
 	approx := s.ApproxBytes()
 
 	s.Compact(5) // drops snapshots 3 and 4: a's event
-	if !latest("a").isBare() {
+	if !latest("a").IsBare() {
 		t.Errorf("a's put at 4, whose event compaction dropped, still keeps its entry")
 	}
-	if latest("b").isBare() {
+	if latest("b").IsBare() {
 		t.Errorf("b's put at 5, whose event is retained, lost its entry")
 	}
 	after, _ := s.Range(all, RangeOptions{})
@@ -274,8 +276,8 @@ func TestSweepKeepsBareEncodings(t *testing.T) {
 		t.Errorf("reads changed when the sweep kept bare encodings:\nbefore %v\nafter  %v", before, after)
 	}
 	// Compaction freed snapshot 3 and 4 (their events) and a's entry.
-	if freed := approx - s.ApproxBytes(); freed < entryBytes {
-		t.Errorf("the estimate fell by %d bytes; want at least the entry's %d", freed, entryBytes)
+	if freed := approx - s.ApproxBytes(); freed < storedkv.EntryBytes {
+		t.Errorf("the estimate fell by %d bytes; want at least the entry's %d", freed, storedkv.EntryBytes)
 	}
 	evs, err := s.Apply(6, []*mvccpb.Event{{Type: mvccpb.PUT, Kv: kv("a", 1, 6, 3)}})
 	if err != nil {

@@ -25,15 +25,15 @@ func (s *Store) CorruptForTest(kv *mvccpb.KeyValue) {
 	}
 	// A new history for the key, as the sweep makes one, whose version at
 	// the newest revision is kv: views taken before keep the old one.
-	kv = newEntry(kv) // the store's own copy, as every key-value it holds
+	kv = storedkv.New(kv) // the store's own copy, as every key-value it holds
 	var vs []version
 	if h, ok := s.index.Get(searchFor(kv.Key)); ok {
 		vs = slices.Clone(h.published())
 	}
-	if n := len(vs); n > 0 && vs[n-1].rev() == newest.rev {
-		vs[n-1] = putVersion(newest.rev, kv)
+	if n := len(vs); n > 0 && vs[n-1].Rev() == newest.rev {
+		vs[n-1] = storedkv.Put(newest.rev, kv)
 	} else {
-		vs = append(vs, putVersion(newest.rev, kv))
+		vs = append(vs, storedkv.Put(newest.rev, kv))
 	}
 	// The index's memory estimate follows the new history.
 	nh := newKeyHistory(vs, len(vs))

@@ -1,4 +1,4 @@
-package revtree
+package storedkv
 
 import (
 	"fmt"
@@ -10,52 +10,17 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 )
 
-// Stored key-values and their encodings.
-//
-// A KeyValue the store keeps is never changed and is read by every
-// snapshot that holds it, so its protobuf encoding is made once, when it
-// is applied, and a Range response is its header followed by those
-// encodings (AppendRangeResponse): marshalling the key-values was most of
-// a large read's CPU. The encoding costs no memory of its own: the
-// KeyValue's Key and Value are slices of it, in place of the separate key
-// and value a decoded KeyValue has.
-//
-// A key-value is stored in one of two forms:
-//
-//   - an entry: the KeyValue struct, whose Key and Value are slices of
-//     its encoding. A put event's Kv, and the PrevKv of the event after
-//     it, are entries, which its version shares while the event is
-//     retained;
-//   - a bare encoding: the encoding alone, after its length as a varint
-//     and its field's tag (newBare; a load's are packed into slabs,
-//     pack.go), for the
-//     keyspace a load read and for a key whose last
-//     put's event history no longer holds (the sweep turns its entry
-//     into its bare encoding). A read makes a KeyValue of it (kvMaker):
-//     the 120-byte struct is most of what a key costs beside its value,
-//     and at a million keys it is 115 MiB that reads only need for the
-//     moment they answer.
-//
-// An entry's encoding follows its length and the tag too, so that the
-// sweep turns an entry into its bare encoding without a copy.
-//
-// The tag is that of RangeResponse's kvs field (rangeKVTag): from the tag
-// on, a stored key-value's bytes are its field in a Range response as they
-// are, and a response is sent as pieces that are the stored bytes
-// themselves (Result.AppendPieces). Stored bytes are never written again:
-// a copy is what moves (the sweep's evacuation, pack.go).
-//
-// Invariant: every *mvccpb.KeyValue a store gives out for a put (a read's,
-// an event's Kv and PrevKv) is the kv field of an entry, made by newEntry
-// or by a kvMaker; entryOf relies on it. Delete events keep the tombstone
-// they came with.
+// RangeKVTag is the tag of RangeResponse's kvs field, which precedes
+// every stored encoding (invariant 2).
+const RangeKVTag = 2<<3 | 2 // kvs, length-delimited
 
-// entry is a stored KeyValue with the length of its encoding, which starts
+// Entry is a stored KeyValue with the length of its encoding, which starts
 // keyOffset bytes before kv.Key's first byte. kv comes first, so that a
-// *mvccpb.KeyValue of the store is also a pointer to its entry. The int32
-// fits in the KeyValue struct's trailing padding's size class: an entry
-// takes the same 128 bytes as a KeyValue.
-type entry struct {
+// *mvccpb.KeyValue of the store is also a pointer to its entry (invariant
+// 1). The int32 fits in the KeyValue struct's trailing padding's size
+// class: an entry takes the same 128 bytes as a KeyValue. The zero Entry
+// is ready for Version.KVIn.
+type Entry struct {
 	kv     mvccpb.KeyValue
 	encLen int32 // 0: no encoding (an empty key, or one past 2 GiB)
 	// canonical: the encoding is as newBare makes it (no unknown
@@ -63,11 +28,11 @@ type entry struct {
 	canonical bool
 }
 
-// newEntry returns the stored copy of kv: the same fields, its key and
+// New returns the stored copy of kv: the same fields, its key and
 // value in one buffer that is also its encoding, the bytes proto.Marshal
 // gives for kv, after its length.
-func newEntry(kv *mvccpb.KeyValue) *mvccpb.KeyValue {
-	e := &entry{}
+func New(kv *mvccpb.KeyValue) *mvccpb.KeyValue {
+	e := &Entry{}
 	unknown := kv.ProtoReflect().GetUnknown()
 	size := kvEncodedSize(kv, len(unknown))
 	if len(kv.Key) == 0 || size > 1<<31-1 {
@@ -91,7 +56,7 @@ func newEntry(kv *mvccpb.KeyValue) *mvccpb.KeyValue {
 	return &e.kv
 }
 
-// newBare returns the bare encoding of kv: its encoding, as newEntry makes
+// newBare returns the bare encoding of kv: its encoding, as New makes
 // it, after its length and the tag. It returns nil for a key-value that is
 // kept as an entry only: one with no key or unknown fields, or past 2 GiB.
 func newBare(kv *mvccpb.KeyValue) unsafe.Pointer {
@@ -119,7 +84,7 @@ func bareLen(n int) int { return 1 + protowire.SizeVarint(uint64(n)) + n }
 // appendBareHeader appends what precedes an encoding of n bytes in its
 // bare encoding: the tag, then the length.
 func appendBareHeader(b []byte, n int) []byte {
-	return protowire.AppendVarint(append(b, rangeKVTag), uint64(n))
+	return protowire.AppendVarint(append(b, RangeKVTag), uint64(n))
 }
 
 // bareAt returns the bare encoding appended to b at off: a pointer to its
@@ -165,11 +130,11 @@ func appendEncoding(b []byte, kv *mvccpb.KeyValue, unknown []byte) (out []byte, 
 // bare returns the entry's bare encoding, which its Key and Value are
 // slices of; nil if it has none (newBare's cases). A bare encoding is
 // a pointer to its length, after the tag.
-func (e *entry) bare() unsafe.Pointer {
+func (e *Entry) bare() unsafe.Pointer {
 	if e.encLen == 0 || !e.canonical {
 		return nil
 	}
-	start := unsafe.Pointer(unsafe.SliceData(encoding(&e.kv)))
+	start := unsafe.Pointer(unsafe.SliceData(Encoding(&e.kv)))
 	return unsafe.Add(start, -protowire.SizeVarint(uint64(e.encLen)))
 }
 
@@ -200,30 +165,30 @@ func bareKey(p unsafe.Pointer) []byte {
 
 // bareEntry makes e the entry of a bare encoding: its KeyValue's Key and
 // Value are slices of it.
-func bareEntry(p unsafe.Pointer, e *entry) {
+func bareEntry(p unsafe.Pointer, e *Entry) {
 	if !parseCanonical(bareEncoding(p), e) {
 		panic("revtree: a bare encoding that newBare did not make")
 	}
 }
 
-// kvMaker makes the KeyValues of bare encodings for one read, in slabs
+// KVMaker makes the KeyValues of bare encodings for one read, in slabs
 // that grow with the read: one allocation per slab, not per key-value.
-type kvMaker struct {
-	first int // entries of the first slab, if known (else 4)
-	slab  []entry
+type KVMaker struct {
+	First int // entries of the first slab, if known (else 4)
+	slab  []Entry
 	made  int
 }
 
-// maxKVSlab is the most entries in one slab of a kvMaker (128 KiB).
+// maxKVSlab is the most entries in one slab of a KVMaker (128 KiB).
 const maxKVSlab = 1024
 
-func (m *kvMaker) make(p unsafe.Pointer) *mvccpb.KeyValue {
+func (m *KVMaker) make(p unsafe.Pointer) *mvccpb.KeyValue {
 	if len(m.slab) == 0 {
 		n := min(max(m.made, 4), maxKVSlab)
-		if m.made == 0 && m.first > 0 {
-			n = min(m.first, maxKVSlab)
+		if m.made == 0 && m.First > 0 {
+			n = min(m.First, maxKVSlab)
 		}
-		m.slab = make([]entry, n)
+		m.slab = make([]Entry, n)
 	}
 	e := &m.slab[0]
 	m.slab = m.slab[1:]
@@ -273,11 +238,11 @@ func appendVarintField(b []byte, num protowire.Number, v int64) []byte {
 	return protowire.AppendVarint(b, uint64(v))
 }
 
-// entryOf returns the entry whose kv field kv is (see the invariant).
-func entryOf(kv *mvccpb.KeyValue) *entry { return (*entry)(unsafe.Pointer(kv)) }
+// entryOf returns the entry whose kv field kv is (invariant 1).
+func entryOf(kv *mvccpb.KeyValue) *Entry { return (*Entry)(unsafe.Pointer(kv)) }
 
-// encoding returns the encoding of a stored KeyValue, nil if it has none.
-func encoding(kv *mvccpb.KeyValue) []byte {
+// Encoding returns the encoding of a stored KeyValue, nil if it has none.
+func Encoding(kv *mvccpb.KeyValue) []byte {
 	n := entryOf(kv).encLen
 	if n == 0 {
 		return nil
@@ -287,13 +252,40 @@ func encoding(kv *mvccpb.KeyValue) []byte {
 	return unsafe.Slice((*byte)(start), n)
 }
 
-// AppendKeyValue appends the protobuf encoding of kv, the bytes
+// CanonicalEncoding returns the encoding of a stored KeyValue if it can be
+// kept bare (it has no unknown fields), else nil.
+func CanonicalEncoding(kv *mvccpb.KeyValue) []byte {
+	if !entryOf(kv).canonical {
+		return nil
+	}
+	return Encoding(kv)
+}
+
+// Field returns the kvs field of a stored encoding: the encoding after the
+// tag and the length that precede it in the store (invariant 2).
+func Field(enc []byte) []byte {
+	n := 1 + protowire.SizeVarint(uint64(len(enc)))
+	start := unsafe.Add(unsafe.Pointer(unsafe.SliceData(enc)), -n)
+	return unsafe.Slice((*byte)(start), n+len(enc))
+}
+
+// Join returns run and f, the fields of two packed encodings, as one
+// slice, if f starts where run ends: then they are in one slab (invariant
+// 4), and the slice is the slab's bytes.
+func Join(run, f []byte) ([]byte, bool) {
+	if uintptr(unsafe.Pointer(unsafe.SliceData(run)))+uintptr(len(run)) != uintptr(unsafe.Pointer(unsafe.SliceData(f))) {
+		return nil, false
+	}
+	return unsafe.Slice(unsafe.SliceData(run), len(run)+len(f)), true
+}
+
+// Append appends the protobuf encoding of kv, the bytes
 // proto.Marshal gives, copied from the stored encoding. kv must be a
 // KeyValue of the store: one a View returned, or the Kv or PrevKv of a put
 // event the store holds (a delete's Kv is the tombstone etcd sent, not the
 // store's).
-func AppendKeyValue(b []byte, kv *mvccpb.KeyValue) ([]byte, error) {
-	if enc := encoding(kv); enc != nil {
+func Append(b []byte, kv *mvccpb.KeyValue) ([]byte, error) {
+	if enc := Encoding(kv); enc != nil {
 		return append(b, enc...), nil
 	}
 	out, err := proto.MarshalOptions{}.MarshalAppend(b, kv)
@@ -303,12 +295,12 @@ func AppendKeyValue(b []byte, kv *mvccpb.KeyValue) ([]byte, error) {
 	return out, nil
 }
 
-// DecodeKeyValue returns the store's copy of the KeyValue encoded in enc,
-// the one newEntry makes of it, copying enc once: a store restored from
-// the encodings it gave out (AppendKeyValue) takes them back as they are.
-// An encoding other than the one newEntry makes (fields out of order,
+// Decode returns the store's copy of the KeyValue encoded in enc,
+// the one New makes of it, copying enc once: a store restored from
+// the encodings it gave out (Append) takes them back as they are.
+// An encoding other than the one New makes (fields out of order,
 // default values written, unknown fields) is decoded and encoded again.
-func DecodeKeyValue(enc []byte) (*mvccpb.KeyValue, error) {
+func Decode(enc []byte) (*mvccpb.KeyValue, error) {
 	if kv, ok := decodeCanonical(enc); ok {
 		return kv, nil
 	}
@@ -319,17 +311,17 @@ func DecodeKeyValue(enc []byte) (*mvccpb.KeyValue, error) {
 	if len(kv.Key) == 0 {
 		return nil, fmt.Errorf("decoding a key-value: no key")
 	}
-	return newEntry(kv), nil
+	return New(kv), nil
 }
 
-// decodeCanonical is DecodeKeyValue for an encoding as newEntry makes it
+// decodeCanonical is Decode for an encoding as New makes it
 // (parseCanonical), copied after its length.
 func decodeCanonical(enc []byte) (*mvccpb.KeyValue, bool) {
 	if len(enc) == 0 || len(enc) > 1<<31-1 {
 		return nil, false
 	}
 	buf := appendBareEncoding(make([]byte, 0, bareLen(len(enc))), enc)
-	e := &entry{}
+	e := &Entry{}
 	if !parseCanonical(buf[len(buf)-len(enc):], e) {
 		return nil, false
 	}
@@ -337,12 +329,12 @@ func decodeCanonical(enc []byte) (*mvccpb.KeyValue, bool) {
 }
 
 // parseCanonical makes e, a zero entry, the entry of enc, an encoding as
-// newEntry makes it: key first and not empty, then each other field once,
+// New makes it: key first and not empty, then each other field once,
 // in field order, none at its default value, nothing unknown. e's Key and
 // Value are slices of enc. It reports false for any other encoding. Every
 // read of a bare encoding parses it: the fields are read in their order,
 // not looked up.
-func parseCanonical(enc []byte, e *entry) bool {
+func parseCanonical(enc []byte, e *Entry) bool {
 	if len(enc) < 3 || len(enc) > 1<<31-1 || enc[0] != 1<<3|byte(protowire.BytesType) {
 		return false
 	}
@@ -421,3 +413,11 @@ func bytesAt(b []byte, i int) ([]byte, int, bool) {
 	end := i + int(n)
 	return b[i:end:end], end, true
 }
+
+// KeyString returns key as a string without a copy: key must never change,
+// as stored bytes never do (invariant 3), nor a tombstone's key.
+func KeyString(key []byte) string { return unsafe.String(unsafe.SliceData(key), len(key)) }
+
+// StringKey returns the bytes of a string KeyString made, without a copy;
+// they must not be written.
+func StringKey(k string) []byte { return unsafe.Slice(unsafe.StringData(k), len(k)) }
