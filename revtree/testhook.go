@@ -6,6 +6,8 @@ import (
 	"slices"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/etcd-snapcache/etcd-snapcache/revtree/internal/storedkv"
 )
 
 // CorruptForTest replaces the key-value of kv.Key at the store's newest
