@@ -693,7 +693,7 @@ func (n *normalizer) walk(key string, v any, blank []string) any {
 		return "<BYTES>"
 	}
 	for _, b := range blank {
-		if key == b {
+		if strings.EqualFold(key, b) { // etcdctl 3.7 writes "ttl"
 			return "<BLANKED>"
 		}
 	}
