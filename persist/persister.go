@@ -114,7 +114,18 @@ type Persister struct {
 	// without mu, which a whole copy holds for seconds.
 	diskRev atomic.Int64
 	failed  atomic.Pointer[error]
+	// marshalled is the bytes of records made for the append being
+	// written, which are garbage only once it commits (InFlightBytes).
+	marshalled atomic.Int64
 }
+
+// InFlightBytes is the memory of the records of the append being written:
+// an append holds every revision since the last one (a burst of large
+// writes makes it large) until its transaction commits. An automatic
+// memory limit counts it, as it counts the cached responses in flight,
+// so that the collector does not run again and again under a limit that
+// does not know of it.
+func (p *Persister) InFlightBytes() int64 { return p.marshalled.Load() }
 
 // New returns a Persister of the copy in cfg.Dir. It touches nothing on
 // disk until Restore or Run.
@@ -338,6 +349,7 @@ func (p *Persister) appendLocked(gen uint64) error {
 	next := p.disk
 	next.rev, next.compactRev = max(upTo, p.disk.rev), compact
 	next.base = max(p.disk.base, min(start-1, next.rev))
+	defer p.marshalled.Store(0)
 	err = p.db.Update(func(tx *bolt.Tx) error {
 		events := tx.Bucket(eventsBucket)
 		events.FillPercent = 1 // revisions only ever grow
@@ -348,6 +360,7 @@ func (p *Persister) appendLocked(gen uint64) error {
 			if err != nil {
 				return err
 			}
+			p.marshalled.Add(int64(len(rec)))
 			if err := events.Put(revKey(b.Rev), rec); err != nil {
 				return fmt.Errorf("writing revision %d: %w", b.Rev, err)
 			}

@@ -71,7 +71,8 @@ func (l MemoryLimit) String() string {
 // cache is sent as pieces of the store's own bytes, which the store
 // counts: the bytes held for it stand for its pieces, the small key-values
 // copied beside them, and what it keeps alive of what the store drops
-// meanwhile); and at least the heap the last collection found live
+// meanwhile); the records of the copy on disk's append until it commits;
+// and at least the heap the last collection found live
 // (heapLive). The estimate moves as the store does, ahead of any
 // collection; the live heap holds what the store does not count (client
 // connections and their gRPC buffers, watch streams), which would
@@ -82,6 +83,9 @@ func (s *Server) liveEstimate() int64 {
 	n := s.store.ApproxBytes()
 	if s.svc.kv != nil {
 		n += s.svc.kv.CachedReadBytes()
+	}
+	if s.persister != nil {
+		n += s.persister.InFlightBytes() // an append's records until it commits
 	}
 	return max(n, s.heapLive())
 }
