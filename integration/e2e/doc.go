@@ -23,6 +23,7 @@
 //	make integration-e2e          # from the repository root
 //	integration/e2e/run.sh        # the same, once make build tools-etcd ran
 //	E2E_PROXY=etcd integration/e2e/run.sh   # the same tests with etcd's own grpc-proxy
+//	E2E_PROXY=none integration/e2e/run.sh   # the watch-delay tests against etcd alone
 //
 // It is a separate module so that go.etcd.io/etcd/tests/v3 stays out of the
 // main module; it does not import the main module.

@@ -1,4 +1,4 @@
-//go:build cluster_proxy
+//go:build cluster_proxy || e2e_direct
 
 package e2e
 

@@ -12,7 +12,7 @@
 // See the License for the specific language governing permissions and
 // limitations under the License.
 
-//go:build cluster_proxy
+//go:build cluster_proxy || e2e_direct
 
 // Copied unchanged from go.etcd.io/etcd/tests/v3@v3.7.3/e2e/utils.go: the
 // helpers watch_test.go uses.

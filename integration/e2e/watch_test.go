@@ -13,7 +13,7 @@
 // limitations under the License.
 
 // These tests are performance sensitive, addition of cluster proxy makes them unstable.
-//go:build cluster_proxy
+//go:build cluster_proxy || e2e_direct
 
 // Copied from go.etcd.io/etcd/tests/v3@v3.7.3/e2e/watch_test.go, whose
 // build tag (above, inverted here) leaves it out of cluster_proxy builds, so
