@@ -156,6 +156,7 @@ type clientConn struct {
 
 	mu       sync.Mutex
 	subConns map[balancer.SubConn]*subConn // guarded by mu; until shut down
+	closed   bool                          // guarded by mu; no probe starts once set
 }
 
 func newClientConn(cc balancer.ClientConn) *clientConn {
@@ -165,8 +166,22 @@ func newClientConn(cc balancer.ClientConn) *clientConn {
 
 // close stops every probe and waits for them.
 func (c *clientConn) close() {
+	c.mu.Lock()
+	c.closed = true
+	c.mu.Unlock()
 	c.stop()
 	c.probes.Wait()
+}
+
+// startProbe counts a probe about to start, unless the balancer is closed.
+func (c *clientConn) startProbe() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return false
+	}
+	c.probes.Add(1)
+	return true
 }
 
 func (c *clientConn) NewSubConn(addrs []resolver.Address, opts balancer.NewSubConnOptions) (balancer.SubConn, error) {
@@ -189,7 +204,7 @@ func (c *clientConn) NewSubConn(addrs []resolver.Address, opts balancer.NewSubCo
 			c.mu.Lock()
 			inner := created
 			c.mu.Unlock()
-			if inner != nil && c.ctx.Err() == nil {
+			if inner != nil {
 				inner.GetOrBuildProducer(&prober{cc: c, sc: sc})
 			}
 			// A new responsive subchannel: streams can leave unresponsive ones.

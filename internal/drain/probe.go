@@ -40,12 +40,11 @@ type prober struct {
 
 func (p *prober) Build(cci any) (balancer.Producer, func()) {
 	conn, ok := cci.(grpc.ClientConnInterface)
-	if !ok {
+	if !ok || !p.cc.startProbe() {
 		return p, func() {}
 	}
 	ctx, cancel := context.WithCancel(p.cc.ctx)
 	done := make(chan struct{})
-	p.cc.probes.Add(1)
 	go func() {
 		defer p.cc.probes.Done()
 		defer close(done)
