@@ -390,7 +390,8 @@ const (
 func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMode, resumed bool) error {
 	// The stream ends as soon as its connection drains (a member's
 	// graceful stop): it resumes elsewhere rather than hold the member's
-	// shutdown for its request timeout.
+	// shutdown for its request timeout. It also ends when its member stops
+	// answering while another answers, to resume there.
 	wctx, cancel := drain.Context(clientv3.WithRequireLeader(ctx))
 	defer cancel()
 	f.mu.Lock()
@@ -476,7 +477,7 @@ func (f *Follower) streamBroken(ctx, wctx context.Context, err error, sendErr <-
 	if errors.Is(err, io.EOF) {
 		err = io.ErrUnexpectedEOF
 	}
-	if cause := context.Cause(wctx); errors.Is(cause, drain.ErrDraining) {
+	if cause := context.Cause(wctx); errors.Is(cause, drain.ErrDraining) || errors.Is(cause, drain.ErrUnresponsive) {
 		err = cause
 	}
 	if errors.Is(rpctypes.Error(err), rpctypes.ErrNoLeader) {

@@ -1,6 +1,7 @@
 // Package drain ends the proxy's own long-lived upstream streams as soon as
-// the connection they run on stops being ready, so that they resume on
-// another connection at once.
+// the connection they run on stops being ready, or its member stops
+// answering, so that they resume on another connection at once; and it
+// keeps calls off a member that stops answering.
 //
 // A member that stops gracefully (SIGTERM, a rolling restart or upgrade)
 // sends GOAWAY and then waits, up to its request timeout (5 s plus two
@@ -12,10 +13,35 @@
 // resume by themselves from where they were, so for them, and only for
 // them, the connection's first step out of READY ends the stream.
 //
+// A member that is hung (SIGSTOP, a stalled disk holding its storage
+// locks) or whose network path stalls keeps its connection READY: gRPC
+// notices only when keepalive gives up (--dial-keepalive-time plus its
+// timeout, 50 s by default). So while a subchannel is READY, a probe sends
+// Maintenance.Status on it alone every ProbeInterval, with ProbeTimeout to
+// answer. Any answer (an error from etcd too) makes the subchannel
+// responsive; no answer in time makes it unresponsive, which
+//
+//   - makes the picker skip it while another READY responsive subchannel
+//     exists (with none, it picks as round_robin does: the member may still
+//     answer, and refusing would fail every call);
+//   - ends the streams opened with a context from Context that run on it,
+//     with a cause wrapping ErrUnresponsive that names the member, whenever
+//     another READY responsive subchannel exists (they move there).
+//
+// Its next answer makes it responsive again. A member that hangs is avoided
+// within ProbeInterval+ProbeTimeout (4 s) of its last answer.
+//
+// Status is answered by the member itself, without raft: it reads raft's
+// in-memory state, and the storage version under the backend's read lock.
+// That lock is held by each backend commit (for its fsync) and by a
+// defragmentation (for all of it), which hold up the member's reads too: a
+// member in a defragmentation longer than ProbeTimeout is avoided until it
+// ends (one transition each way, not a flap), as its reads would wait.
+//
 // It is a balancer wrapped around grpc-go's round_robin (the policy
-// clientv3 picks): it watches each subchannel's state and records, for each
-// stream opened with a context from Context, the subchannel it was picked
-// on.
+// clientv3 picks): it watches each subchannel's state and health, and
+// records, for each stream opened with a context from Context, the
+// subchannel it was picked on.
 package drain
 
 import (
@@ -50,11 +76,18 @@ func DialOptions() []grpc.DialOption {
 // connection its stream runs on left READY.
 var ErrDraining = errors.New("the connection to the etcd member is going away")
 
+// ErrUnresponsive is the cause of a context from Context canceled because
+// the member its stream runs on did not answer a probe within ProbeTimeout
+// while another member did.
+var ErrUnresponsive = errors.New("the etcd member does not answer")
+
 // Context returns a context for one upstream stream (and its retries). Once
-// the stream is picked on a connection of a connection dialed with
-// DialOptions, that connection leaving READY cancels the context with a
-// cause that wraps ErrDraining. Without such a connection it is a plain
-// cancelable context. cancel releases it, as context.WithCancel's does.
+// the stream is picked on a subchannel of a connection dialed with
+// DialOptions, that subchannel leaving READY cancels the context with a
+// cause that wraps ErrDraining, and its member becoming unresponsive while
+// another answers cancels it with a cause that wraps ErrUnresponsive.
+// Without such a connection it is a plain cancelable context. cancel
+// releases it, as context.WithCancel's does.
 func Context(parent context.Context) (ctx context.Context, cancel context.CancelFunc) {
 	ctx, cancelCause := context.WithCancelCause(parent)
 	s := &stream{cancel: cancelCause}
@@ -63,9 +96,30 @@ func Context(parent context.Context) (ctx context.Context, cancel context.Cancel
 
 type streamKey struct{}
 
+// Member returns the address of the member the latest call made with ctx,
+// a context from Context, was picked on, or "" if none was.
+func Member(ctx context.Context) string {
+	st, ok := ctx.Value(streamKey{}).(*stream)
+	if !ok {
+		return ""
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.member
+}
+
 // stream is one stream opened with a context from Context.
 type stream struct {
 	cancel context.CancelCauseFunc
+
+	mu     sync.Mutex
+	member string // guarded by mu; the latest pick's address
+}
+
+func (st *stream) pickedOn(addr string) {
+	st.mu.Lock()
+	st.member = addr
+	st.mu.Unlock()
 }
 
 type builder struct{}
@@ -73,18 +127,61 @@ type builder struct{}
 func (builder) Name() string { return Name }
 
 func (builder) Build(cc balancer.ClientConn, opts balancer.BuildOptions) balancer.Balancer {
-	w := &clientConn{ClientConn: cc, subConns: map[balancer.SubConn]*subConn{}}
-	return balancer.Get(roundrobin.Name).Build(w, opts)
+	w := newClientConn(cc)
+	return &wrapped{Balancer: balancer.Get(roundrobin.Name).Build(w, opts), cc: w}
+}
+
+// wrapped is round_robin, whose Close also stops the probes.
+type wrapped struct {
+	balancer.Balancer
+	cc *clientConn
+}
+
+func (b *wrapped) Close() {
+	b.Balancer.Close()
+	b.cc.close()
 }
 
 // clientConn is what round_robin (and its pick_first children) see of the
 // connection: it tracks every subchannel they create and wraps every picker
-// they publish.
+// they publish. It owns the probes: each runs while its subchannel is
+// READY, and close stops them all and waits for them.
 type clientConn struct {
 	balancer.ClientConn
 
+	// ctx is the probes' parent, canceled by close; probes counts them.
+	ctx    context.Context
+	stop   context.CancelFunc
+	probes sync.WaitGroup
+
 	mu       sync.Mutex
 	subConns map[balancer.SubConn]*subConn // guarded by mu; until shut down
+	closed   bool                          // guarded by mu; no probe starts once set
+}
+
+func newClientConn(cc balancer.ClientConn) *clientConn {
+	ctx, stop := context.WithCancel(context.Background())
+	return &clientConn{ClientConn: cc, ctx: ctx, stop: stop, subConns: map[balancer.SubConn]*subConn{}}
+}
+
+// close stops every probe and waits for them.
+func (c *clientConn) close() {
+	c.mu.Lock()
+	c.closed = true
+	c.mu.Unlock()
+	c.stop()
+	c.probes.Wait()
+}
+
+// startProbe counts a probe about to start, unless the balancer is closed.
+func (c *clientConn) startProbe() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return false
+	}
+	c.probes.Add(1)
+	return true
 }
 
 func (c *clientConn) NewSubConn(addrs []resolver.Address, opts balancer.NewSubConnOptions) (balancer.SubConn, error) {
@@ -96,10 +193,22 @@ func (c *clientConn) NewSubConn(addrs []resolver.Address, opts balancer.NewSubCo
 	var created balancer.SubConn
 	opts.StateListener = func(s balancer.SubConnState) {
 		sc.setState(s.ConnectivityState)
-		if s.ConnectivityState == connectivity.Shutdown {
+		switch s.ConnectivityState {
+		case connectivity.Shutdown:
 			c.mu.Lock()
 			delete(c.subConns, created)
 			c.mu.Unlock()
+		case connectivity.Ready:
+			// gRPC closes the producer, and so stops the probe, at the
+			// subchannel's next state change, before telling us.
+			c.mu.Lock()
+			inner := created
+			c.mu.Unlock()
+			if inner != nil {
+				inner.GetOrBuildProducer(&prober{cc: c, sc: sc})
+			}
+			// A new responsive subchannel: streams can leave unresponsive ones.
+			c.moveOffUnresponsive()
 		}
 		if listener != nil {
 			listener(s)
@@ -129,25 +238,23 @@ func (c *clientConn) tracked(sc balancer.SubConn) *subConn {
 	return c.subConns[sc]
 }
 
-// picker records the subchannel each stream from Context is picked on.
+// picker skips unresponsive subchannels while a responsive one is READY,
+// and records the subchannel each stream from Context is picked on.
 type picker struct {
 	balancer.Picker
 	cc *clientConn
 }
 
 func (p *picker) Pick(info balancer.PickInfo) (balancer.PickResult, error) {
-	res, err := p.Picker.Pick(info)
+	res, sc, err := p.pickResponsive(info)
 	if err != nil {
 		return res, err
 	}
 	st, ok := info.Ctx.Value(streamKey{}).(*stream)
-	if !ok {
+	if !ok || sc == nil {
 		return res, nil
 	}
-	sc := p.cc.tracked(res.SubConn)
-	if sc == nil {
-		return res, nil
-	}
+	st.pickedOn(sc.addr)
 	// A context may carry more than one call (a stream's retries, or a
 	// unary call made for the stream): each pick is recorded on its own.
 	pk := &pick{stream: st}
@@ -159,7 +266,93 @@ func (p *picker) Pick(info balancer.PickInfo) (balancer.PickResult, error) {
 			done(di)
 		}
 	}
+	if !sc.isResponsive() && p.cc.anyResponsive() {
+		// It became unresponsive since it was picked (or since
+		// moveOffUnresponsive looked).
+		sc.end(pk, sc.unresponsive())
+	}
 	return res, nil
+}
+
+// errSkipped is the DoneInfo error of a pick the picker did not use.
+var errSkipped = errors.New("drain: pick skipped, its etcd member does not answer")
+
+// pickResponsive picks as round_robin does, and picks again while the pick
+// is unresponsive and a responsive subchannel is READY. round_robin's
+// picker takes its READY subchannels in turn, so as many picks as there are
+// subchannels reach every one; if none is responsive the first pick stands.
+func (p *picker) pickResponsive(info balancer.PickInfo) (balancer.PickResult, *subConn, error) {
+	res, err := p.Picker.Pick(info)
+	if err != nil {
+		return res, nil, err
+	}
+	sc := p.cc.tracked(res.SubConn)
+	if sc == nil || sc.isResponsive() || !p.cc.anyResponsive() {
+		return res, sc, nil
+	}
+	for range p.cc.count() {
+		again, err := p.Picker.Pick(info)
+		if err != nil {
+			break
+		}
+		asc := p.cc.tracked(again.SubConn)
+		if asc != nil && asc.isResponsive() {
+			if res.Done != nil {
+				res.Done(balancer.DoneInfo{Err: errSkipped})
+			}
+			return again, asc, nil
+		}
+		if again.Done != nil {
+			again.Done(balancer.DoneInfo{Err: errSkipped})
+		}
+	}
+	return res, sc, nil
+}
+
+func (c *clientConn) count() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.subConns)
+}
+
+func (c *clientConn) all() []*subConn {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	all := make([]*subConn, 0, len(c.subConns))
+	for _, sc := range c.subConns {
+		all = append(all, sc)
+	}
+	return all
+}
+
+// anyResponsive reports whether a subchannel is READY and responsive.
+func (c *clientConn) anyResponsive() bool {
+	for _, sc := range c.all() {
+		if sc.readyAndResponsive() {
+			return true
+		}
+	}
+	return false
+}
+
+// moveOffUnresponsive ends the streams from Context on unresponsive
+// subchannels if a responsive one is READY for them to move to. It runs
+// whenever a subchannel becomes READY or changes responsiveness.
+func (c *clientConn) moveOffUnresponsive() {
+	all := c.all()
+	var responsive bool
+	for _, sc := range all {
+		if sc.readyAndResponsive() {
+			responsive = true
+			break
+		}
+	}
+	if !responsive {
+		return
+	}
+	for _, sc := range all {
+		sc.endIfUnresponsive()
+	}
 }
 
 // pick is one call picked on a subchannel with a context from Context.
@@ -170,15 +363,19 @@ type pick struct{ stream *stream }
 type subConn struct {
 	addr string
 
-	mu    sync.Mutex
-	state connectivity.State // guarded by mu
-	picks map[*pick]struct{} // guarded by mu
+	mu           sync.Mutex
+	state        connectivity.State // guarded by mu
+	unresponding bool               // guarded by mu; set by the probe while READY
+	picks        map[*pick]struct{} // guarded by mu
 }
 
 func (sc *subConn) setState(s connectivity.State) {
 	sc.mu.Lock()
 	was := sc.state
 	sc.state = s
+	// Each READY period starts responsive: the member just completed the
+	// HTTP/2 handshake.
+	sc.unresponding = false
 	var ended map[*pick]struct{}
 	if was == connectivity.Ready && s != connectivity.Ready {
 		ended, sc.picks = sc.picks, nil
@@ -186,6 +383,47 @@ func (sc *subConn) setState(s connectivity.State) {
 	sc.mu.Unlock()
 	for pk := range ended {
 		pk.stream.cancel(fmt.Errorf("%w: %s is %s", ErrDraining, sc.addr, s))
+	}
+}
+
+// setResponsive records a probe's outcome, and reports whether it changed
+// the subchannel's responsiveness.
+func (sc *subConn) setResponsive(ok bool) bool {
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	if sc.state != connectivity.Ready || sc.unresponding == !ok {
+		return false
+	}
+	sc.unresponding = !ok
+	return true
+}
+
+func (sc *subConn) isResponsive() bool {
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	return !sc.unresponding
+}
+
+func (sc *subConn) readyAndResponsive() bool {
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	return sc.state == connectivity.Ready && !sc.unresponding
+}
+
+func (sc *subConn) unresponsive() error {
+	return fmt.Errorf("%w: %s did not answer within %v", ErrUnresponsive, sc.addr, ProbeTimeout)
+}
+
+// endIfUnresponsive ends the streams on sc if it is READY and unresponsive.
+func (sc *subConn) endIfUnresponsive() {
+	sc.mu.Lock()
+	var ended map[*pick]struct{}
+	if sc.state == connectivity.Ready && sc.unresponding {
+		ended, sc.picks = sc.picks, nil
+	}
+	sc.mu.Unlock()
+	for pk := range ended {
+		pk.stream.cancel(sc.unresponsive())
 	}
 }
 
@@ -204,6 +442,12 @@ func (sc *subConn) add(pk *pick) {
 	}
 	sc.picks[pk] = struct{}{}
 	sc.mu.Unlock()
+}
+
+// end forgets pk and ends its stream with cause.
+func (sc *subConn) end(pk *pick, cause error) {
+	sc.remove(pk)
+	pk.stream.cancel(cause)
 }
 
 func (sc *subConn) remove(pk *pick) {

@@ -10,12 +10,14 @@ import (
 
 	"go.uber.org/goleak"
 	"go.uber.org/zap"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/peer"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/drain"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
 
@@ -165,6 +167,85 @@ func TestOnlyTheDrainingMembersStreamsEnd(t *testing.T) {
 			}
 		}
 	}
+}
+
+// rangeOn makes a serializable Range through cli and returns the member
+// address it was served by.
+func rangeOn(ctx context.Context, cli *clientv3.Client) (string, error) {
+	var p peer.Peer
+	_, err := pb.NewKVClient(cli.ActiveConnection()).Range(ctx, &pb.RangeRequest{Key: []byte("k"), Serializable: true}, grpc.Peer(&p))
+	if err != nil {
+		return "", err
+	}
+	return p.Addr.String(), nil
+}
+
+// TestHungMemberIsAvoided: with two members each behind a relay, the
+// relay of one stalls (as a SIGSTOPped member or a stalled path does: the
+// connection stays open and READY). Within ProbeInterval+ProbeTimeout the
+// streams with drain.Context on it end with ErrUnresponsive naming it,
+// those on the other stay, and calls are served by the other; once the
+// relay flows again the member is used again.
+func TestHungMemberIsAvoided(t *testing.T) {
+	a, b := startEtcd(t), startEtcd(t)
+	ra, rb := testsupport.NewRelay(t, a.addr), testsupport.NewRelay(t, b.addr)
+	addrA, addrB := ra.Addr(), rb.Addr()
+	cli := dial(t, addrA, addrB)
+
+	type opened struct {
+		ctx  context.Context
+		addr string
+	}
+	var streams []opened
+	on := map[string]int{}
+	for i := 0; i < 100 && (on[addrA] < 2 || on[addrB] < 2); i++ {
+		ctx, cancel := drain.Context(t.Context())
+		defer cancel()
+		addr := openWatch(t, ctx, cli)
+		if m := drain.Member(ctx); m != addr {
+			t.Fatalf("drain.Member %q, the stream's peer %q", m, addr)
+		}
+		on[addr]++
+		streams = append(streams, opened{ctx, addr})
+	}
+	if on[addrA] == 0 || on[addrB] == 0 {
+		t.Fatalf("streams per member %v: round_robin never used both", on)
+	}
+
+	ra.Stall()
+	for _, s := range streams {
+		if s.addr != addrA {
+			continue
+		}
+		waitDone(t, "a stream on the hung member canceled", s.ctx.Done())
+		cause := context.Cause(s.ctx)
+		if !errors.Is(cause, drain.ErrUnresponsive) || !strings.Contains(cause.Error(), addrA) {
+			t.Errorf("stream on %s: cause %v, want ErrUnresponsive naming it", addrA, cause)
+		}
+	}
+	for _, s := range streams {
+		if s.addr == addrB && s.ctx.Err() != nil {
+			t.Errorf("stream on the member still answering ended: %v", context.Cause(s.ctx))
+		}
+	}
+	// Its streams ended once it was unresponsive: from then on every call
+	// goes to the other.
+	for range 10 {
+		ctx, cancel := context.WithTimeout(t.Context(), waitTimeout)
+		addr, err := rangeOn(ctx, cli)
+		cancel()
+		if err != nil || addr != addrB {
+			t.Fatalf("Range while %s hangs: served by %q, %v; want %s", addrA, addr, err, addrB)
+		}
+	}
+
+	ra.Flow()
+	testsupport.Poll(t, waitTimeout, 10*time.Millisecond, "a call served by the member again", func() (bool, error) {
+		ctx, cancel := context.WithTimeout(t.Context(), waitTimeout)
+		defer cancel()
+		addr, err := rangeOn(ctx, cli)
+		return addr == addrA, err
+	})
 }
 
 // TestCancelIsPlain: cancel ends a context from Context as

@@ -1,0 +1,121 @@
+package drain
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"google.golang.org/grpc/balancer"
+	"google.golang.org/grpc/connectivity"
+)
+
+// fakeSubConn stands for a subchannel; only its identity is used.
+type fakeSubConn struct {
+	balancer.SubConn
+	name string
+}
+
+// cycling picks its subchannels in turn, as round_robin's picker does.
+type cycling struct {
+	subConns []balancer.SubConn
+	next     int
+}
+
+func (c *cycling) Pick(balancer.PickInfo) (balancer.PickResult, error) {
+	sc := c.subConns[c.next%len(c.subConns)]
+	c.next++
+	return balancer.PickResult{SubConn: sc}, nil
+}
+
+// fakeConn is a clientConn over READY subchannels named by names, and a
+// picker over them as round_robin would publish it.
+func fakeConn(names ...string) (*clientConn, *picker, map[string]*subConn) {
+	cc := newClientConn(nil)
+	inner := &cycling{}
+	byName := map[string]*subConn{}
+	for _, n := range names {
+		f := &fakeSubConn{name: n}
+		sc := &subConn{addr: n, state: connectivity.Ready}
+		cc.subConns[f] = sc
+		byName[n] = sc
+		inner.subConns = append(inner.subConns, f)
+	}
+	return cc, &picker{Picker: inner, cc: cc}, byName
+}
+
+func pickNames(t *testing.T, p *picker, n int) []string {
+	t.Helper()
+	var got []string
+	for range n {
+		res, err := p.Pick(balancer.PickInfo{Ctx: context.Background()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, res.SubConn.(*fakeSubConn).name)
+	}
+	return got
+}
+
+// TestPickerSkipsUnresponsive: the picker picks as round_robin does, but
+// never an unresponsive subchannel while a responsive one is READY; when
+// none is responsive it picks as round_robin does.
+func TestPickerSkipsUnresponsive(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		unresponsive []string
+		want         string // the picks in a row
+	}{
+		{"all responsive", nil, "a b c a b c"},
+		{"one unresponsive", []string{"b"}, "a c a c a c"},
+		{"two unresponsive", []string{"a", "c"}, "b b b b b b"},
+		{"none responsive", []string{"a", "b", "c"}, "a b c a b c"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, p, scs := fakeConn("a", "b", "c")
+			for _, n := range tc.unresponsive {
+				scs[n].setResponsive(false)
+			}
+			if got := strings.Join(pickNames(t, p, 6), " "); got != tc.want {
+				t.Fatalf("picks %q, want %q", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestUnresponsiveEndsStreamsOnlyWithSomewhereToGo: a stream on a
+// subchannel that becomes unresponsive ends (ErrUnresponsive, naming it)
+// only while another subchannel is READY and responsive; if none is, it
+// stays, and ends once one becomes responsive again.
+func TestUnresponsiveEndsStreamsOnlyWithSomewhereToGo(t *testing.T) {
+	cc, p, scs := fakeConn("a", "b")
+	ctx, cancel := Context(context.Background())
+	defer cancel()
+	res, err := p.Pick(balancer.PickInfo{Ctx: ctx})
+	if err != nil {
+		t.Fatal(err)
+	}
+	on := res.SubConn.(*fakeSubConn).name
+	other := map[string]string{"a": "b", "b": "a"}[on]
+	if Member(ctx) != on {
+		t.Fatalf("Member %q, want %q", Member(ctx), on)
+	}
+
+	// Both stop answering: nowhere to go, the stream stays.
+	for _, n := range []string{other, on} {
+		if scs[n].setResponsive(false) {
+			cc.moveOffUnresponsive()
+		}
+	}
+	if ctx.Err() != nil {
+		t.Fatalf("stream ended with no responsive member: %v", context.Cause(ctx))
+	}
+	// The other answers again: the stream moves.
+	if scs[other].setResponsive(true) {
+		cc.moveOffUnresponsive()
+	}
+	if !errors.Is(context.Cause(ctx), ErrUnresponsive) || !strings.Contains(context.Cause(ctx).Error(), on) {
+		t.Fatalf("cause %v, want ErrUnresponsive naming %s", context.Cause(ctx), on)
+	}
+	res.Done(balancer.DoneInfo{})
+}

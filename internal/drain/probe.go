@@ -1,0 +1,88 @@
+package drain
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/balancer"
+)
+
+// ProbeInterval is how often a READY subchannel's member is asked for its
+// Status. A probe costs the member a few atomic reads and one read lock.
+const ProbeInterval = time.Second
+
+// ProbeTimeout is how long a member has to answer a probe. It is well under
+// keepalive's 50 s, so that a hung member is avoided within
+// ProbeInterval+ProbeTimeout (4 s) of its last answer, and well above the
+// second a slow fsync may hold the member's backend (etcd warns of a slow
+// fdatasync at 1 s), so that a member with a slow disk is not flapped.
+const ProbeTimeout = 3 * time.Second
+
+// prober is the producer that probes one subchannel for one READY period:
+// gRPC builds it on the subchannel (so its calls go on that subchannel's
+// transport alone, past the picker and the connection's interceptors) and
+// closes it at the subchannel's next state change or shutdown. Its
+// goroutine is the clientConn's: the balancer's Close stops it too, and
+// waits for it.
+//
+// gRPC's own client-side health checking (a grpc.health.v1 Watch stream per
+// subchannel) cannot see a hung member: the stream stays open with its last
+// status, SERVING, when nothing more comes. And an endpoint it finds
+// unhealthy leaves round_robin's picker altogether, which fails every call
+// when all are.
+type prober struct {
+	cc *clientConn
+	sc *subConn
+}
+
+func (p *prober) Build(cci any) (balancer.Producer, func()) {
+	conn, ok := cci.(grpc.ClientConnInterface)
+	if !ok || !p.cc.startProbe() {
+		return p, func() {}
+	}
+	ctx, cancel := context.WithCancel(p.cc.ctx)
+	done := make(chan struct{})
+	go func() {
+		defer p.cc.probes.Done()
+		defer close(done)
+		p.run(ctx, pb.NewMaintenanceClient(conn))
+	}()
+	return p, func() {
+		cancel()
+		<-done
+	}
+}
+
+// run probes every ProbeInterval until ctx ends.
+func (p *prober) run(ctx context.Context, m pb.MaintenanceClient) {
+	tick := time.NewTicker(ProbeInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		answered := probe(ctx, m)
+		if ctx.Err() != nil {
+			return
+		}
+		if p.sc.setResponsive(answered) {
+			p.cc.moveOffUnresponsive()
+		}
+	}
+}
+
+// probe reports whether the member answered a Status request within
+// ProbeTimeout. Any answer counts, an error from etcd too (a refused auth
+// token, say): it proves the member and the path to it work. A transport
+// that fails ends the READY period, and so the probe.
+func probe(ctx context.Context, m pb.MaintenanceClient) bool {
+	pctx, cancel := context.WithTimeout(ctx, ProbeTimeout)
+	defer cancel()
+	_, err := m.Status(pctx, &pb.StatusRequest{})
+	return err == nil || !errors.Is(pctx.Err(), context.DeadlineExceeded)
+}
