@@ -23,6 +23,7 @@ import (
 
 	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/drain"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/tlsmux"
@@ -211,6 +212,8 @@ func (s *Server) registerMetrics() {
 			ConstLabels: prometheus.Labels{"mode": string(m)},
 		}, func() float64 { return boolGauge(s.mode() == m) }))
 	}
+	// Process-wide, as the balancer that probes the members is.
+	s.registry.MustRegister(drain.Collector(), watchMemberCollector{s.follower})
 	s.registerStatusMetrics()
 }
 
@@ -595,5 +598,20 @@ func (s *Server) closeAll() {
 	s.client.Close()
 	for _, done := range s.clientDone {
 		<-done
+	}
+}
+
+var watchMemberDesc = prometheus.NewDesc("etcd_snapcache_upstream_watch_member",
+	"Always 1, for the etcd member the upstream watch runs on (as its address was given); none while the watch is not established.",
+	[]string{"member"}, nil)
+
+// watchMemberCollector reports the member the upstream watch runs on.
+type watchMemberCollector struct{ f *progress.Follower }
+
+func (watchMemberCollector) Describe(ch chan<- *prometheus.Desc) { ch <- watchMemberDesc }
+
+func (c watchMemberCollector) Collect(ch chan<- prometheus.Metric) {
+	if m := c.f.WatchMember(); m != "" {
+		ch <- prometheus.MustNewConstMetric(watchMemberDesc, prometheus.GaugeValue, 1, m)
 	}
 }

@@ -128,6 +128,7 @@ func (builder) Name() string { return Name }
 
 func (builder) Build(cc balancer.ClientConn, opts balancer.BuildOptions) balancer.Balancer {
 	w := newClientConn(cc)
+	track(w)
 	return &wrapped{Balancer: balancer.Get(roundrobin.Name).Build(w, opts), cc: w}
 }
 
@@ -140,6 +141,7 @@ type wrapped struct {
 func (b *wrapped) Close() {
 	b.Balancer.Close()
 	b.cc.close()
+	untrack(b.cc)
 }
 
 // clientConn is what round_robin (and its pick_first children) see of the

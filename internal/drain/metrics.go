@@ -1,0 +1,94 @@
+package drain
+
+import (
+	"slices"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/connectivity"
+)
+
+// The metrics are the process's, as the balancer is: every connection
+// dialed with DialOptions counts in them.
+var (
+	unresponsiveTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "etcd_snapcache_upstream_member_unresponsive_total",
+		Help: "Times an etcd member did not answer the proxy's Status probe within 3 s on a connection where it was ready, by member (each upstream connection counts: two with --user).",
+	}, []string{"member"})
+	unresponsiveDesc = prometheus.NewDesc("etcd_snapcache_upstream_member_unresponsive",
+		"1 while an etcd member the proxy is connected to has not answered its last Status probe within 3 s: the proxy sends it nothing new while another member answers.",
+		[]string{"member"}, nil)
+
+	// live holds the balancers not yet closed, for the gauge.
+	live = struct {
+		mu    sync.Mutex
+		conns map[*clientConn]struct{} // guarded by mu
+	}{conns: map[*clientConn]struct{}{}}
+)
+
+// Collector returns the process's drain metrics: per member the proxy is
+// connected to, whether it is unresponsive now, and how many times it was
+// found so.
+func Collector() prometheus.Collector { return collector{} }
+
+type collector struct{}
+
+func (collector) Describe(ch chan<- *prometheus.Desc) {
+	unresponsiveTotal.Describe(ch)
+	ch <- unresponsiveDesc
+}
+
+func (collector) Collect(ch chan<- prometheus.Metric) {
+	unresponsiveTotal.Collect(ch)
+	for m, hung := range members() {
+		v := 0.0
+		if hung {
+			v = 1
+		}
+		ch <- prometheus.MustNewConstMetric(unresponsiveDesc, prometheus.GaugeValue, v, m)
+	}
+}
+
+// Unresponsive returns the members, sorted, that a connection of the
+// process is READY to and that did not answer its last probe in time.
+func Unresponsive() []string {
+	var out []string
+	for m, hung := range members() {
+		if hung {
+			out = append(out, m)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// members maps each member some connection is READY to to whether one
+// such connection finds it unresponsive.
+func members() map[string]bool {
+	out := map[string]bool{}
+	live.mu.Lock()
+	defer live.mu.Unlock()
+	for c := range live.conns {
+		for _, sc := range c.all() {
+			sc.mu.Lock()
+			ready, hung := sc.state == connectivity.Ready, sc.unresponding
+			sc.mu.Unlock()
+			if ready {
+				out[sc.addr] = out[sc.addr] || hung
+			}
+		}
+	}
+	return out
+}
+
+func track(c *clientConn) {
+	live.mu.Lock()
+	live.conns[c] = struct{}{}
+	live.mu.Unlock()
+}
+
+func untrack(c *clientConn) {
+	live.mu.Lock()
+	delete(live.conns, c)
+	live.mu.Unlock()
+}
