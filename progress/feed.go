@@ -413,6 +413,11 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMo
 	if err != nil {
 		return fmt.Errorf("opening the upstream watch: %w", err)
 	}
+	// The stream was picked as it opened: later calls made with wctx
+	// for it (the load, the check of a resume) may go to other members.
+	member := drain.Member(wctx)
+	f.watchMember.Store(&member)
+	defer f.watchMember.Store(nil)
 	startRev := f.resumeRev()
 	createRev := startRev
 	switch mode {

@@ -99,8 +99,11 @@ type Follower struct {
 
 	life      *lifecycle  // the phase: loading, serving, reloading, stopped
 	following followState // the upstream watch is established, and since when not
-	timeline  timeline
-	warm      warmState // the feed's warm start from Config.Disk
+	// watchMember is the member the upstream watch stream was picked on,
+	// while follow runs.
+	watchMember atomic.Pointer[string]
+	timeline    timeline
+	warm        warmState // the feed's warm start from Config.Disk
 	// verified is the generation of the upstream watch stream while it is
 	// established and verified to continue the store's history; 0 while
 	// none is. A read fence holds only if one stream was, from before its
@@ -210,6 +213,17 @@ func (f *Follower) IdentityRefused() bool {
 
 // Following reports whether the upstream watch is currently established.
 func (f *Follower) Following() bool { return f.following.Load() }
+
+// WatchMember returns the etcd member the upstream watch runs on, as its
+// address was given (--endpoints, or as cluster sync found it); "" while
+// the watch is not established.
+func (f *Follower) WatchMember() string {
+	m := f.watchMember.Load()
+	if m == nil || !f.Following() {
+		return ""
+	}
+	return *m
+}
 
 // NotFollowingSince returns the zero time while the upstream watch is
 // established; otherwise when the follower last had etcd's keyspace in

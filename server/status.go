@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/drain"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 )
 
@@ -26,6 +27,8 @@ func (s *Server) status() proxystatus.Status {
 		UpstreamVersion:        up.version,
 		UpstreamClusterID:      up.clusterID,
 		UpstreamWatchConnected: s.follower.Following(),
+		UpstreamWatchMember:    s.follower.WatchMember(),
+		UnresponsiveMembers:    append([]string{}, drain.Unresponsive()...),
 		Mode:                   s.mode(),
 		FailingChecks:          []proxystatus.Check{},
 		Revision:               s.store.Rev(),

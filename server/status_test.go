@@ -70,6 +70,8 @@ func TestStatusAsTheMetrics(t *testing.T) {
 		t.Errorf("revision %d, upstream %v cluster %q; want %d, [%s]", doc.Revision, doc.UpstreamEndpoints, doc.UpstreamClusterID, last, etcd)
 	case !hasReads("serializable") || !hasReads("historical") || doc.Requests(proxystatus.SourceCache) < 2:
 		t.Errorf("range requests %+v; want the reads from the cache", doc.RangeRequests)
+	case doc.UpstreamWatchMember != strings.TrimPrefix(etcd, "http://") || len(doc.UnresponsiveMembers) != 0:
+		t.Errorf("upstream watch on %q, unresponsive %v; want %s, none", doc.UpstreamWatchMember, doc.UnresponsiveMembers, etcd)
 	case doc.Watchers < 1 || doc.WatchStreams < 1 || doc.StartTime == nil:
 		t.Errorf("%d watchers, %d streams, start %v; want the open watch and a start", doc.Watchers, doc.WatchStreams, doc.StartTime)
 	}
@@ -143,6 +145,16 @@ func statusFromMetrics(t *testing.T, families []*dto.MetricFamily, failing []pro
 		WatchStreams:           one("etcd_snapcache_watch_streams"),
 		RangeRequests:          []proxystatus.RangeRequests{},
 	}
+	if ms := byName["etcd_snapcache_upstream_watch_member"]; len(ms) == 1 {
+		st.UpstreamWatchMember = label(ms[0], "member")
+	}
+	st.UnresponsiveMembers = []string{}
+	for _, m := range byName["etcd_snapcache_upstream_member_unresponsive"] {
+		if value(m) == 1 {
+			st.UnresponsiveMembers = append(st.UnresponsiveMembers, label(m, "member"))
+		}
+	}
+	slices.Sort(st.UnresponsiveMembers)
 	for _, m := range byName["etcd_snapcache_mode"] {
 		if value(m) == 1 {
 			st.Mode = proxystatus.Mode(label(m, "mode"))

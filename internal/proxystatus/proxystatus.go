@@ -34,6 +34,15 @@ type Status struct {
 	// UpstreamWatchConnected: the upstream watch that feeds the cache is
 	// established (etcd_snapcache_upstream_watch_connected).
 	UpstreamWatchConnected bool `json:"upstream_watch_connected"`
+	// UpstreamWatchMember is the etcd member the upstream watch runs on,
+	// as its address was given; "" while the watch is not established
+	// (etcd_snapcache_upstream_watch_member's label).
+	UpstreamWatchMember string `json:"upstream_watch_member"`
+	// UnresponsiveMembers are the etcd members, sorted, that did not
+	// answer the proxy's last Status probe in time: the proxy sends them
+	// nothing new while another member answers
+	// (etcd_snapcache_upstream_member_unresponsive).
+	UnresponsiveMembers []string `json:"unresponsive_members"`
 
 	// Mode is what the proxy serves from (etcd_snapcache_mode).
 	Mode Mode `json:"mode"`
