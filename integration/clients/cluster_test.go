@@ -1,0 +1,91 @@
+package clients
+
+import (
+	"fmt"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
+)
+
+// etcdCluster is an etcd cluster of member processes started from
+// .tools/bin/etcd, each on its own client and peer ports on loopback.
+type etcdCluster struct {
+	members []*etcdProc
+}
+
+// startEtcdCluster starts an n-member cluster and waits until every member
+// is ready (it has a leader and serves reads).
+func startEtcdCluster(t testing.TB, n int, extra ...string) *etcdCluster {
+	t.Helper()
+	bin := etcdBin(t)
+	ports := testsupport.FreePorts(t, 2*n)
+	var initial []string
+	for i := range n {
+		initial = append(initial, fmt.Sprintf("m%d=http://127.0.0.1:%d", i, ports[2*i+1]))
+	}
+	c := &etcdCluster{}
+	for i := range n {
+		name := fmt.Sprintf("m%d", i)
+		addr := fmt.Sprintf("127.0.0.1:%d", ports[2*i])
+		peerURL := fmt.Sprintf("http://127.0.0.1:%d", ports[2*i+1])
+		args := append([]string{
+			"--name=" + name,
+			"--data-dir=" + filepath.Join(t.TempDir(), name+".etcd"),
+			"--listen-client-urls=http://" + addr,
+			"--advertise-client-urls=http://" + addr,
+			"--listen-peer-urls=" + peerURL,
+			"--initial-advertise-peer-urls=" + peerURL,
+			"--initial-cluster=" + strings.Join(initial, ","),
+			"--initial-cluster-state=new",
+			"--log-level=warn",
+		}, extra...)
+		p := startProcess(t, name, bin, args)
+		c.members = append(c.members, &etcdProc{process: p, addr: addr, url: "http://" + addr})
+	}
+	for _, m := range c.members {
+		waitUntil(t, 30*time.Second, m.name+" /readyz", func() (bool, error) { return httpOK(m.url + "/readyz") }, m.process)
+	}
+	return c
+}
+
+// endpoints are the members' client URLs, comma-separated, as --endpoints
+// takes them.
+func (c *etcdCluster) endpoints() string {
+	var urls []string
+	for _, m := range c.members {
+		urls = append(urls, m.url)
+	}
+	return strings.Join(urls, ",")
+}
+
+// member returns the member whose client address is addr.
+func (c *etcdCluster) member(t testing.TB, addr string) *etcdProc {
+	t.Helper()
+	for _, m := range c.members {
+		if m.addr == addr {
+			return m
+		}
+	}
+	t.Fatalf("no member at %q", addr)
+	return nil
+}
+
+// hang stops the member's process (SIGSTOP), as a stalled host would: its
+// connections stay open and nothing on them is answered. The returned
+// function resumes it (SIGCONT), as does the test's end.
+func (m *etcdProc) hang(t testing.TB) (resume func()) {
+	t.Helper()
+	pid := m.cmd.Process.Pid
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatalf("SIGSTOP %s: %v", m.name, err)
+	}
+	resume = func() { _ = syscall.Kill(pid, syscall.SIGCONT) }
+	// Before the process's own cleanup, which SIGTERMs it: registered
+	// later, so run earlier.
+	t.Cleanup(resume)
+	return resume
+}
