@@ -96,6 +96,20 @@ func Context(parent context.Context) (ctx context.Context, cancel context.Cancel
 
 type streamKey struct{}
 
+type avoidKey struct{}
+
+// Avoid returns a context whose calls are not picked on member (an address
+// as Member returns it) while another member is READY and answers its
+// probes: how a hedged call reaches a member other than the one its first
+// attempt waits on. With no such other member it picks as round_robin
+// does.
+func Avoid(ctx context.Context, member string) context.Context {
+	if member == "" {
+		return ctx
+	}
+	return context.WithValue(ctx, avoidKey{}, member)
+}
+
 // Member returns the address of the member the latest call made with ctx,
 // a context from Context, was picked on, or "" if none was.
 func Member(ctx context.Context) string {
@@ -268,7 +282,7 @@ func (p *picker) Pick(info balancer.PickInfo) (balancer.PickResult, error) {
 			done(di)
 		}
 	}
-	if !sc.isResponsive() && p.cc.anyResponsive() {
+	if !sc.isResponsive() && p.cc.anyResponsive("") {
 		// It became unresponsive since it was picked (or since
 		// moveOffUnresponsive looked).
 		sc.end(pk, sc.unresponsive())
@@ -277,19 +291,33 @@ func (p *picker) Pick(info balancer.PickInfo) (balancer.PickResult, error) {
 }
 
 // errSkipped is the DoneInfo error of a pick the picker did not use.
-var errSkipped = errors.New("drain: pick skipped, its etcd member does not answer")
+var errSkipped = errors.New("drain: pick skipped for a member that answers, or is not avoided")
 
-// pickResponsive picks as round_robin does, and picks again while the pick
-// is unresponsive and a responsive subchannel is READY. round_robin's
-// picker takes its READY subchannels in turn, so as many picks as there are
-// subchannels reach every one; if none is responsive the first pick stands.
+// pickResponsive picks as round_robin does, and picks again while a
+// better subchannel is READY: one that answers its probes and is not to
+// the member the call's context avoids, else one that answers its probes.
+// round_robin's picker takes its READY subchannels in turn, so as many
+// picks as there are subchannels reach every one; if none is better the
+// first pick stands.
 func (p *picker) pickResponsive(info balancer.PickInfo) (balancer.PickResult, *subConn, error) {
 	res, err := p.Picker.Pick(info)
 	if err != nil {
 		return res, nil, err
 	}
 	sc := p.cc.tracked(res.SubConn)
-	if sc == nil || sc.isResponsive() || !p.cc.anyResponsive() {
+	if sc == nil {
+		return res, sc, nil
+	}
+	avoid, _ := info.Ctx.Value(avoidKey{}).(string)
+	want := func(sc *subConn) bool { return sc.isResponsive() && sc.addr != avoid }
+	switch {
+	case want(sc):
+		return res, sc, nil
+	case p.cc.anyResponsive(avoid):
+	case !sc.isResponsive() && p.cc.anyResponsive(""):
+		// Only the avoided member answers: better it than a hung one.
+		want = (*subConn).isResponsive
+	default:
 		return res, sc, nil
 	}
 	for range p.cc.count() {
@@ -298,7 +326,7 @@ func (p *picker) pickResponsive(info balancer.PickInfo) (balancer.PickResult, *s
 			break
 		}
 		asc := p.cc.tracked(again.SubConn)
-		if asc != nil && asc.isResponsive() {
+		if asc != nil && want(asc) {
 			if res.Done != nil {
 				res.Done(balancer.DoneInfo{Err: errSkipped})
 			}
@@ -327,10 +355,11 @@ func (c *clientConn) all() []*subConn {
 	return all
 }
 
-// anyResponsive reports whether a subchannel is READY and responsive.
-func (c *clientConn) anyResponsive() bool {
+// anyResponsive reports whether a subchannel to a member other than
+// except ("": any) is READY and responsive.
+func (c *clientConn) anyResponsive(except string) bool {
 	for _, sc := range c.all() {
-		if sc.readyAndResponsive() {
+		if sc.addr != except && sc.readyAndResponsive() {
 			return true
 		}
 	}

@@ -3,6 +3,8 @@ package drain_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -256,4 +258,52 @@ func TestCancelIsPlain(t *testing.T) {
 	if !errors.Is(context.Cause(ctx), context.Canceled) {
 		t.Fatalf("cause %v, want context.Canceled", context.Cause(ctx))
 	}
+}
+
+// TestAvoid: a call made with Avoid goes to another member while one
+// answers, and to the avoided member when it is the only one that answers.
+func TestAvoid(t *testing.T) {
+	a, b := startEtcd(t), startEtcd(t)
+	ra, rb := testsupport.NewRelay(t, a.addr), testsupport.NewRelay(t, b.addr)
+	addrA, addrB := ra.Addr(), rb.Addr()
+	cli := dial(t, addrA, addrB)
+	served := func(avoid string) string {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(drain.Avoid(t.Context(), avoid), waitTimeout)
+		defer cancel()
+		addr, err := rangeOn(ctx, cli)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return addr
+	}
+	// Both members READY first: round_robin connects to them in turn.
+	testsupport.Poll(t, waitTimeout, 10*time.Millisecond, "calls on both members", func() (bool, error) {
+		seen := map[string]bool{}
+		for range 4 {
+			seen[served("")] = true
+		}
+		return len(seen) == 2, nil
+	})
+	for range 10 {
+		if got := served(addrA); got != addrB {
+			t.Fatalf("avoiding %s: served by %s", addrA, got)
+		}
+		if got := served(addrB); got != addrA {
+			t.Fatalf("avoiding %s: served by %s", addrB, got)
+		}
+	}
+
+	// B hangs: once it is found unresponsive, a call avoiding A still goes
+	// to A, the one member that answers.
+	rb.Stall()
+	testsupport.Poll(t, 2*drain.ProbeInterval+drain.ProbeTimeout+waitTimeout, 50*time.Millisecond, addrB+" unresponsive", func() (bool, error) {
+		return slices.Equal(drain.Unresponsive(), []string{addrB}), fmt.Errorf("unresponsive %v", drain.Unresponsive())
+	})
+	for range 10 {
+		if got := served(addrA); got != addrA {
+			t.Fatalf("avoiding %s while %s hangs: served by %s", addrA, addrB, got)
+		}
+	}
+	rb.Flow()
 }
