@@ -392,7 +392,11 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMo
 	// graceful stop): it resumes elsewhere rather than hold the member's
 	// shutdown for its request timeout. It also ends when its member stops
 	// answering while another answers, to resume there.
-	wctx, cancel := drain.Context(clientv3.WithRequireLeader(ctx))
+	wctx, cancelDrain := drain.Context(drain.Avoid(clientv3.WithRequireLeader(ctx), f.avoidNext))
+	defer cancelDrain()
+	// A stalled stream is ended with its own cause (the sender's).
+	wctx, cancelStream := context.WithCancelCause(wctx)
+	cancel := func() { cancelStream(context.Canceled) }
 	defer cancel()
 	f.mu.Lock()
 	if reason := f.reloadReason; reason != "" {
@@ -443,7 +447,12 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMo
 	sender.Add(1)
 	go func() {
 		defer sender.Done()
-		sendErr <- f.requests.sendLoop(wctx, stream, f.Following, f.m.observeProgressRequest)
+		err := f.requests.sendLoop(wctx, stream, f.Following, f.m.observeProgressRequest)
+		if errors.Is(err, errWatchStalled) {
+			err = fmt.Errorf("%w (on %s)", err, member)
+			cancelStream(err)
+		}
+		sendErr <- err
 	}()
 	defer sender.Wait()
 	defer cancel()
@@ -452,8 +461,13 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMo
 	for {
 		resp, err := stream.Recv()
 		if err != nil {
+			if errors.Is(context.Cause(wctx), errWatchStalled) {
+				// Elsewhere next time, if another member answers.
+				f.avoidNext = member
+			}
 			return f.streamBroken(ctx, wctx, err, sendErr)
 		}
+		f.requests.receivedResponse()
 		f.observeHeader(resp.Header)
 		if err := f.handle(ws, resp); err != nil {
 			return err
@@ -482,7 +496,7 @@ func (f *Follower) streamBroken(ctx, wctx context.Context, err error, sendErr <-
 	if errors.Is(err, io.EOF) {
 		err = io.ErrUnexpectedEOF
 	}
-	if cause := context.Cause(wctx); errors.Is(cause, drain.ErrDraining) || errors.Is(cause, drain.ErrUnresponsive) {
+	if cause := context.Cause(wctx); errors.Is(cause, drain.ErrDraining) || errors.Is(cause, drain.ErrUnresponsive) || errors.Is(cause, errWatchStalled) {
 		err = cause
 	}
 	if errors.Is(rpctypes.Error(err), rpctypes.ErrNoLeader) {
@@ -560,6 +574,7 @@ func (f *Follower) created(ws *watchStream, resp *pb.WatchResponse) error {
 	}
 	f.verified.Store(f.streamGens.Add(1))
 	f.following.Store(true)
+	f.avoidNext = "" // followed again: the member that stalled may serve the next watch
 	f.leader.found()
 	ws.bo.Reset()
 	f.lg.Info("following etcd", zap.Int64("store-revision", ws.startRev), zap.Bool("from-head", ws.mode == fromHead || ws.mode == loadAtHead))

@@ -102,8 +102,13 @@ type Follower struct {
 	// watchMember is the member the upstream watch stream was picked on,
 	// while follow runs.
 	watchMember atomic.Pointer[string]
-	timeline    timeline
-	warm        warmState // the feed's warm start from Config.Disk
+	// avoidNext is the member the upstream watch avoids (with the calls
+	// made for it: the load, the resume's checks) until it is followed
+	// again: the last one stalled there. Used by the feed's goroutine
+	// alone.
+	avoidNext string
+	timeline  timeline
+	warm      warmState // the feed's warm start from Config.Disk
 	// verified is the generation of the upstream watch stream while it is
 	// established and verified to continue the store's history; 0 while
 	// none is. A read fence holds only if one stream was, from before its
@@ -143,7 +148,9 @@ func New(cfg Config) *Follower {
 		f.lg.Error("etcd now runs a release the proxy cannot follow; reloading, which waits for a supported one", zap.Error(err))
 		f.Reload("unsupported-release")
 	}
-	f.probes = newHeadProbe(f.readHead)
+	f.probes = newHeadProbe(func(ctx context.Context, rev int64) (int64, error) {
+		return hedgedRead(ctx, rev, headHedgeDelay, f.readHead)
+	})
 	f.ticker = &progressTicker{wc: f.wc, lg: f.lg}
 	f.compaction = newCompactionProber(f.store, f.kv, f.lg, cfg.CompactionProbeInterval, f.ObserveCompaction)
 	f.compaction.witness, f.compaction.checkHead = f.witness, f.checkHead

@@ -3,9 +3,11 @@ package progress
 import (
 	"context"
 	"errors"
+	"sync"
 	"time"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/coalesce"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/drain"
 )
 
 // errStopped is returned by a head probe once its owner stopped it.
@@ -96,4 +98,72 @@ func (p *headProbe) wait(ctx context.Context, c *coalesce.Run[int64], rev int64,
 		return 0, ErrFutureRev // the probe read a lower revision than ours
 	}
 	return head, err
+}
+
+// headHedgeDelay is how long a quorum read waits for its member before a
+// second one goes to another member, the first answer winning. A member
+// can hang (a stopped process, a stalled disk) for seconds before drain's
+// probe finds it unresponsive, and holds its reads for all of a
+// defragmentation; on a healthy etcd a linearizable read takes a few
+// milliseconds, tens under load (etcd warns of an apply over 100 ms). So a
+// read still waiting after 250 ms most likely waits on its member, and the
+// second read costs etcd one more quorum read at most per probe.
+const headHedgeDelay = 250 * time.Millisecond
+
+// hedgedRead returns read's answer at rev. If the read has not answered
+// within delay, or drain ended it because its member stopped answering or
+// went away, a second read goes to another member (drain.Avoid), and the
+// first answer of the two wins; the other is canceled and waited for. A
+// verdict on rev (compacted, future) is an answer. Both reads start after
+// the call, so either one's head serves the readers of a probe.
+func hedgedRead(ctx context.Context, rev int64, delay time.Duration, read func(ctx context.Context, rev int64) (int64, error)) (int64, error) {
+	type answer struct {
+		head int64
+		err  error
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	var reads sync.WaitGroup
+	defer reads.Wait()
+	defer cancel()
+	answers := make(chan answer, 2)
+	start := func(rctx context.Context) {
+		reads.Add(1)
+		go func() {
+			defer reads.Done()
+			head, err := read(rctx, rev)
+			answers <- answer{head, err}
+		}()
+	}
+	first, cancelFirst := drain.Context(ctx)
+	defer cancelFirst()
+	start(first)
+	running, hedged := 1, false
+	hedge := func() {
+		hedged = true
+		running++
+		start(drain.Avoid(ctx, drain.Member(first)))
+	}
+	timer := time.NewTimer(delay)
+	defer timer.Stop()
+	for {
+		select {
+		case a := <-answers:
+			running--
+			if a.err == nil || errors.Is(a.err, ErrCompacted) || errors.Is(a.err, ErrFutureRev) {
+				return a.head, a.err
+			}
+			cause := context.Cause(first)
+			if !hedged && ctx.Err() == nil && (errors.Is(cause, drain.ErrUnresponsive) || errors.Is(cause, drain.ErrDraining)) {
+				hedge()
+				continue
+			}
+			if running == 0 {
+				return 0, a.err
+			}
+		case <-timer.C:
+			if !hedged {
+				hedge()
+			}
+		}
+	}
 }

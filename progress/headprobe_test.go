@@ -186,3 +186,111 @@ func waitQueued(t *testing.T, p *headProbe, n int) {
 		return p.calls.Waiting() == n
 	})
 }
+
+// TestHedgedRead: a second read goes out only when the first has not
+// answered within the delay (or drain ended it); the first answer of the
+// two wins, a verdict on the revision being one, and the other read is
+// canceled and waited for.
+func TestHedgedRead(t *testing.T) {
+	const rev = 7
+	type call struct {
+		ctx  context.Context
+		done chan struct{} // closed when the call returned
+	}
+	// reads answers each call i with behave(i, ctx): it may block on ctx.
+	reads := func(behave func(i int, ctx context.Context) (int64, error)) (func(context.Context, int64) (int64, error), *[]call, *sync.Mutex) {
+		var mu sync.Mutex
+		var calls []call
+		return func(ctx context.Context, r int64) (int64, error) {
+			if r != rev {
+				t.Errorf("read at %d, want %d", r, rev)
+			}
+			mu.Lock()
+			i := len(calls)
+			c := call{ctx, make(chan struct{})}
+			calls = append(calls, c)
+			mu.Unlock()
+			defer close(c.done)
+			return behave(i, ctx)
+		}, &calls, &mu
+	}
+	hang := func(ctx context.Context) (int64, error) { <-ctx.Done(); return 0, ctx.Err() }
+	unavailable := errors.New("unavailable")
+
+	for _, tc := range []struct {
+		name     string
+		behave   func(i int, ctx context.Context) (int64, error)
+		delay    time.Duration
+		head     int64
+		err      error
+		wantRead int
+	}{
+		{"first answers", func(int, context.Context) (int64, error) { return 10, nil }, time.Hour, 10, nil, 1},
+		{"first fails before the delay", func(int, context.Context) (int64, error) { return 0, unavailable }, time.Hour, 0, unavailable, 1},
+		{"first compacted", func(int, context.Context) (int64, error) { return 0, ErrCompacted }, time.Hour, 0, ErrCompacted, 1},
+		{"first hangs, second answers", func(i int, ctx context.Context) (int64, error) {
+			if i == 0 {
+				return hang(ctx)
+			}
+			return 11, nil
+		}, time.Millisecond, 11, nil, 2},
+		{"first hangs, second future", func(i int, ctx context.Context) (int64, error) {
+			if i == 0 {
+				return hang(ctx)
+			}
+			return 0, ErrFutureRev
+		}, time.Millisecond, 0, ErrFutureRev, 2},
+		{"both fail", func(i int, ctx context.Context) (int64, error) {
+			if i == 0 {
+				// Fails only once the second did, so that the
+				// second's failure does not end the call alone.
+				<-ctx.Done()
+				return 0, unavailable
+			}
+			return 0, unavailable
+		}, time.Millisecond, 0, unavailable, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			read, calls, mu := reads(tc.behave)
+			ctx, cancel := context.WithCancel(t.Context())
+			defer cancel()
+			var head int64
+			var err error
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				head, err = hedgedRead(ctx, rev, tc.delay, read)
+			}()
+			if tc.name == "both fail" {
+				// The second failed; the first waits on the call's
+				// context, which the caller ends.
+				testsupport.Poll(t, 10*time.Second, time.Millisecond, "two reads", func() (bool, error) {
+					mu.Lock()
+					defer mu.Unlock()
+					return len(*calls) == 2, nil
+				})
+				<-(*calls)[1].done
+				cancel()
+			}
+			<-done
+			if head != tc.head || !errors.Is(err, tc.err) && !(tc.name == "both fail" && err != nil) {
+				t.Errorf("hedgedRead = %d, %v; want %d, %v", head, err, tc.head, tc.err)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if len(*calls) != tc.wantRead {
+				t.Errorf("%d reads, want %d", len(*calls), tc.wantRead)
+			}
+			for i, c := range *calls {
+				select {
+				case <-c.done:
+				default:
+					t.Errorf("read %d still running after hedgedRead returned", i)
+				}
+				if c.ctx.Err() == nil {
+					t.Errorf("read %d's context not canceled after hedgedRead returned", i)
+				}
+			}
+		})
+	}
+}

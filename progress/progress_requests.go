@@ -2,7 +2,9 @@ package progress
 
 import (
 	"context"
+	"errors"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
@@ -12,6 +14,19 @@ import (
 // is sent again: etcd drops, rather than defers, a request that arrives
 // while the watcher is catching up. kube-apiserver re-sends at this pace.
 const progressResend = 100 * time.Millisecond
+
+// watchStallTimeout is how long the upstream watch may deliver nothing at
+// all while a RequestProgress is unanswered before the stream counts as
+// stalled and is moved to another member. A member answers a request at
+// once when its watcher is synced, and while it is not it sends the events
+// it catches up with: a stream silent that long while a reader waits is on
+// a member that hangs (a stopped process, a stalled disk or path), which
+// drain's probe would find only after ProbeInterval+ProbeTimeout.
+const watchStallTimeout = time.Second
+
+// errWatchStalled ends an upstream watch that delivered nothing for
+// watchStallTimeout while a progress request waited for an answer.
+var errWatchStalled = errors.New("the upstream watch delivered nothing while a progress request waited")
 
 // progressRequests coalesces RequestProgress calls on the upstream watch
 // under the rule stated in package coalesce's doc. It keeps a shape of its
@@ -37,6 +52,13 @@ type progressRequests struct {
 	wanted   uint64    // highest generation any waiter needs; written by request
 	inFlight bool      // a request was sent and is unanswered
 	sentAt   time.Time // when the request in flight was sent
+	// waitingSince is when the request in flight was first sent: re-sends
+	// keep it.
+	waitingSince time.Time
+
+	// received is when the stream last delivered a response, in Unix
+	// nanoseconds (received); read by the sender to tell a stalled stream.
+	received atomic.Int64
 }
 
 func newProgressRequests() *progressRequests {
@@ -79,6 +101,9 @@ func (p *progressRequests) answer() {
 	p.wake()
 }
 
+// receivedResponse records that the stream delivered a response.
+func (p *progressRequests) receivedResponse() { p.received.Store(time.Now().UnixNano()) }
+
 // streamLost forgets a request lost with a broken stream, and asks again for
 // the waiters that still need an answer.
 func (p *progressRequests) streamLost() {
@@ -90,8 +115,10 @@ func (p *progressRequests) streamLost() {
 
 // sendLoop sends a RequestProgress on stream whenever a waiter needs one
 // and none is in flight, re-sending one left unanswered, until ctx is done
-// or a send fails. ready reports whether the stream's watch is created: a
-// request sent before that would be dropped. sent is called per request.
+// or a send fails, or, with errWatchStalled, the stream delivered nothing
+// for watchStallTimeout while a request was in flight. ready reports
+// whether the stream's watch is created: a request sent before that would
+// be dropped. sent is called per request.
 func (p *progressRequests) sendLoop(ctx context.Context, stream pb.Watch_WatchClient, ready func() bool, sent func()) error {
 	req := &pb.WatchRequest{RequestUnion: &pb.WatchRequest_ProgressRequest{ProgressRequest: &pb.WatchProgressRequest{}}}
 	resend := time.NewTimer(progressResend)
@@ -107,16 +134,27 @@ func (p *progressRequests) sendLoop(ctx context.Context, stream pb.Watch_WatchCl
 		if !ready() {
 			continue // kicked again once the watch is created
 		}
+		now := time.Now()
 		p.mu.Lock()
-		expired := p.inFlight && time.Since(p.sentAt) >= progressResend
+		expired := p.inFlight && now.Sub(p.sentAt) >= progressResend
 		send := p.wanted > p.answered && (!p.inFlight || expired)
 		if send {
+			if !p.inFlight {
+				p.waitingSince = now
+			}
 			p.sent++
 			p.inFlight = true
-			p.sentAt = time.Now()
+			p.sentAt = now
 		}
 		inFlight := p.inFlight
+		silentSince := p.waitingSince
 		p.mu.Unlock()
+		if last := time.Unix(0, p.received.Load()); last.After(silentSince) {
+			silentSince = last
+		}
+		if inFlight && now.Sub(silentSince) >= watchStallTimeout {
+			return errWatchStalled
+		}
 		if send {
 			sent()
 			if err := stream.Send(req); err != nil {
