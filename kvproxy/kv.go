@@ -17,6 +17,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/drain"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/kvcheck"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/wirecodec"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
@@ -333,17 +334,30 @@ const minPiecesBytes = 1 << 20
 // revision the proxy has seen was committed. The retry's answer stands,
 // whatever its revision: it is etcd's own present.
 func (s *Server) forwardRange(ctx context.Context, r *pb.RangeRequest, served int64) (*pb.RangeResponse, error) {
-	resp, err := s.upstream.Range(ctx, r)
-	if err == nil {
-		s.follower.ObserveHeader(resp.Header)
-	}
+	resp, err := s.rangeUpstream(ctx, r)
 	if !r.Serializable || !wentBack(resp, err, r.Revision, served) {
 		return resp, err
 	}
 	s.m.observeWentBack()
 	lr := proto.Clone(r).(*pb.RangeRequest)
 	lr.Serializable = false
-	resp, err = s.upstream.Range(ctx, lr)
+	return s.rangeUpstream(ctx, lr)
+}
+
+// rangeUpstream sends r to etcd. If the member it went to stops answering
+// drain's probes (it hangs) or goes away while the read waits, the read is
+// asked once more of another member: a Range changes nothing, so a second
+// attempt is safe, and the caller does not wait out its deadline on a
+// member the proxy no longer uses.
+func (s *Server) rangeUpstream(ctx context.Context, r *pb.RangeRequest) (*pb.RangeResponse, error) {
+	dctx, cancel := drain.Context(ctx)
+	resp, err := s.upstream.Range(dctx, r)
+	cause := context.Cause(dctx)
+	member := drain.Member(dctx)
+	cancel()
+	if err != nil && ctx.Err() == nil && (errors.Is(cause, drain.ErrUnresponsive) || errors.Is(cause, drain.ErrDraining)) {
+		resp, err = s.upstream.Range(drain.Avoid(ctx, member), r)
+	}
 	if err == nil {
 		s.follower.ObserveHeader(resp.Header)
 	}
