@@ -56,15 +56,19 @@ func (p *prober) Build(cci any) (balancer.Producer, func()) {
 	}
 }
 
-// run probes every ProbeInterval until ctx ends.
+// run probes every ProbeInterval until ctx ends. The probes of every
+// subchannel of the process tick together, on whole multiples of
+// ProbeInterval: an idle proxy then wakes once a second for all its
+// members rather than once per member.
 func (p *prober) run(ctx context.Context, m pb.MaintenanceClient) {
-	tick := time.NewTicker(ProbeInterval)
-	defer tick.Stop()
+	next := time.NewTimer(untilNextTick(time.Now()))
+	defer next.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-tick.C:
+		case now := <-next.C:
+			next.Reset(untilNextTick(now))
 		}
 		answered := probe(ctx, m)
 		if ctx.Err() != nil {
@@ -98,4 +102,14 @@ func probe(ctx context.Context, m pb.MaintenanceClient) bool {
 	defer cancel()
 	_, err := m.Status(pctx, &pb.StatusRequest{})
 	return err == nil || !errors.Is(pctx.Err(), context.DeadlineExceeded)
+}
+
+// untilNextTick is how long from now to the next whole multiple of
+// ProbeInterval, at least half an interval away.
+func untilNextTick(now time.Time) time.Duration {
+	d := now.Truncate(ProbeInterval).Add(ProbeInterval).Sub(now)
+	if d < ProbeInterval/2 {
+		d += ProbeInterval
+	}
+	return d
 }
