@@ -404,7 +404,7 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMo
 		f.mu.Unlock()
 		return &reloadError{reason: reason, err: errors.New("reload requested")}
 	}
-	f.cancelFollow = cancel
+	f.cancelFollow = cancelStream
 	f.mu.Unlock()
 	defer func() {
 		f.mu.Lock()
@@ -449,7 +449,7 @@ func (f *Follower) follow(ctx context.Context, bo *backoff.Backoff, mode startMo
 		defer sender.Done()
 		err := f.requests.sendLoop(wctx, stream, f.Following, f.m.observeProgressRequest)
 		if errors.Is(err, errWatchStalled) {
-			err = fmt.Errorf("%w (on %s)", err, member)
+			err = fmt.Errorf("%w: %s delivered nothing for %v while a progress request waited", err, member, watchStallTimeout)
 			cancelStream(err)
 		}
 		sendErr <- err

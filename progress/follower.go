@@ -3,6 +3,7 @@ package progress
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -122,7 +123,7 @@ type Follower struct {
 	mu sync.Mutex
 	// Guarded by mu.
 	reloadReason string             // a reload asked for by Reload, not yet begun
-	cancelFollow context.CancelFunc // ends the current upstream watch; nil between watches
+	cancelFollow context.CancelCauseFunc // ends the current upstream watch; nil between watches
 }
 
 // New returns a follower; it does nothing until Run.
@@ -331,8 +332,21 @@ func (f *Follower) Reload(reason string) {
 	defer f.mu.Unlock()
 	f.reloadReason = reason
 	if f.cancelFollow != nil {
-		f.cancelFollow()
+		f.cancelFollow(context.Canceled)
 	}
+}
+
+// moveLaggingWatch ends the upstream watch of generation gen, so that it
+// resumes on another member: its member has not applied a revision a
+// quorum read reported for watchStallTimeout (a defragmentation, a slow
+// disk). A watch of another generation is left alone.
+func (f *Follower) moveLaggingWatch(gen uint64, rev int64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.cancelFollow == nil || f.verified.Load() != gen {
+		return
+	}
+	f.cancelFollow(fmt.Errorf("%w: it had not applied revision %d %v after a quorum read reported it", errWatchStalled, rev, watchStallTimeout))
 }
 
 // Loads returns the number of loads of the keyspace completed so far.

@@ -126,8 +126,9 @@ func (c *FenceCall) Wait(ctx context.Context, deadline time.Time) (int64, error)
 		if errors.Is(err, ErrAhead) {
 			// etcd answered a progress request below the head it reported
 			// earlier: impossible unless the member we watch lags the
-			// one that answered; wait on for the events.
-			err = f.waitApplied(wctx, head)
+			// one that answered; wait on for the events, and move the
+			// watch if they do not come.
+			err = f.waitApplied(wctx, head, c.gen)
 		}
 		cancel()
 	}
@@ -142,7 +143,12 @@ func (c *FenceCall) Wait(ctx context.Context, deadline time.Time) (int64, error)
 }
 
 // waitApplied waits for the store to reach rev through events alone.
-func (f *Follower) waitApplied(ctx context.Context, rev int64) error {
+// If it has not after watchStallTimeout, the member the upstream watch of
+// generation gen runs on lags the one that reported rev, and the watch is
+// moved to another member (the fence then finds the stream changed).
+func (f *Follower) waitApplied(ctx context.Context, rev int64, gen uint64) error {
+	lag := time.NewTimer(watchStallTimeout)
+	defer lag.Stop()
 	for {
 		changed := f.Changed()
 		if f.store.Rev() >= rev {
@@ -150,6 +156,8 @@ func (f *Follower) waitApplied(ctx context.Context, rev int64) error {
 		}
 		select {
 		case <-changed:
+		case <-lag.C:
+			f.moveLaggingWatch(gen, rev)
 		case <-ctx.Done():
 			return ctx.Err()
 		}

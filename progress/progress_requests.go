@@ -24,9 +24,10 @@ const progressResend = 100 * time.Millisecond
 // drain's probe would find only after ProbeInterval+ProbeTimeout.
 const watchStallTimeout = time.Second
 
-// errWatchStalled ends an upstream watch that delivered nothing for
-// watchStallTimeout while a progress request waited for an answer.
-var errWatchStalled = errors.New("the upstream watch delivered nothing while a progress request waited")
+// errWatchStalled ends an upstream watch whose member fell behind: it
+// delivered nothing for watchStallTimeout while a progress request waited,
+// or had not applied for as long a revision a quorum read reported.
+var errWatchStalled = errors.New("the upstream watch's member fell behind")
 
 // progressRequests coalesces RequestProgress calls on the upstream watch
 // under the rule stated in package coalesce's doc. It keeps a shape of its
