@@ -102,6 +102,9 @@ func TestHungMember(t *testing.T) {
 				t.Errorf("reloads: %v (%v), want none: the upstream watch must resume, not reload", reloads, err)
 			}
 			checkWatched(t, watch, acked)
+			if lines, err := px.metricLines("range_requests_total"); err == nil {
+				t.Logf("the proxy's Range requests by source and reason: %v", lines)
+			}
 		})
 	}
 }
