@@ -24,6 +24,10 @@ import (
 // fakeMirror is etcd's auth state as the test sets it.
 type fakeMirror struct {
 	enabled, known bool
+	// age is how long before the gate's clock (now) the last answered
+	// poll was sent.
+	age time.Duration
+	now time.Time
 	checker        *authcache.Checker // Checker's answer
 	// Status's answer.
 	statusOn  bool
@@ -39,6 +43,7 @@ type fakeMirror struct {
 
 func (m *fakeMirror) Enabled() (bool, bool)       { return m.enabled, m.known }
 func (m *fakeMirror) Checker() *authcache.Checker { return m.checker }
+func (m *fakeMirror) Polled() time.Time           { return m.now.Add(-m.age) }
 
 func (m *fakeMirror) Status(ctx context.Context) (bool, uint64, error) {
 	m.statuses++
@@ -191,6 +196,23 @@ func stateUnknown(err error) authOutcomes {
 	}
 }
 
+// mirrorStale is the mirror's state older than authcache.MaxMirrorAge:
+// never its answer. A caller whose read goes to etcd as it came goes
+// there (ErrMirrorStale): tokens, and an anonymous caller unless the
+// proxy's connection carries a certificate's name (named); the others get
+// errAuthUnknown, as when the state is not known.
+func mirrorStale(named bool) authOutcomes {
+	stale := refusedWith(ErrMirrorStale)
+	o := authOutcomes{
+		anonymous: stale, cert: refusedWith(errAuthUnknown),
+		trusted: stale, verified: stale, revoked: stale, unknown: stale,
+	}
+	if named {
+		o.anonymous = refusedWith(errAuthUnknown)
+	}
+	return o
+}
+
 func newChecker(t *testing.T, rev uint64) *authcache.Checker {
 	t.Helper()
 	c, err := authcache.NewChecker(authcache.Snapshot{Enabled: true, Revision: rev}, nil)
@@ -229,6 +251,7 @@ func authForCases(t *testing.T) []authForCase {
 	errNoRoot := fmt.Errorf("%w: %w", authcache.ErrNoMirror, rpctypes.ErrGRPCPermissionDenied)
 	readingFailed := status.Errorf(codes.Unavailable, "etcd-snapcache: reading etcd's auth state: %v", errUnreachable)
 	canceled := status.FromContextError(context.Canceled).Err()
+	stale := authcache.MaxMirrorAge + time.Nanosecond
 	serving := fakeFollower{serving: true}
 	enabled := func(c *authcache.Checker, rev uint64) fakeMirror {
 		return fakeMirror{enabled: true, known: true, checker: c, statusOn: true, statusRev: rev}
@@ -295,6 +318,33 @@ func authForCases(t *testing.T) []authForCase {
 		{state: "auth enabled, users and roles being read, the caller gone", user: "root", follower: serving,
 			mirror: enabled(nil, 5), canceled: true,
 			serializable: noChecker(canceled), fresh: stateUnknown(canceled), statuses: 1},
+
+		// The mirror's state as old as the bound allows: still used.
+		{state: "auth disabled, the mirror's last poll at the bound", user: "root", follower: serving,
+			mirror:       fakeMirror{known: true, age: authcache.MaxMirrorAge},
+			serializable: everyone(allowed), fresh: everyone(allowed), proofs: 1},
+		{state: "auth enabled, the mirror's last poll at the bound", user: "root", follower: serving,
+			mirror:       func() fakeMirror { m := enabled(c5, 5); m.age = authcache.MaxMirrorAge; return m }(),
+			serializable: checkedBy(c5), fresh: checkedBy(c5), statuses: 1},
+		// Older (its poll starved, or stuck): never used for a
+		// serializable read or a watch; a fresh request proves the state
+		// as always.
+		{state: "auth disabled in a stale mirror, enabled since", user: "root", follower: serving,
+			mirror:       fakeMirror{known: true, age: stale, statusOn: true, statusRev: 5, readsTo: c5},
+			anonymous:    rpctypes.ErrGRPCUserEmpty,
+			serializable: mirrorStale(false), fresh: checkedBy(c5), statuses: 1, proofs: 1},
+		{state: "auth disabled in a stale mirror, no identity of the proxy's own", follower: serving,
+			mirror:       fakeMirror{known: true, age: stale},
+			serializable: mirrorStale(false), fresh: everyone(allowed)},
+		{state: "auth disabled in a stale mirror, the proxy a certificate identity", cn: "proxy", follower: serving,
+			mirror:       fakeMirror{known: true, age: stale},
+			serializable: mirrorStale(true), fresh: everyone(allowed), statuses: 1},
+		{state: "auth enabled in a stale mirror", user: "root", follower: serving,
+			mirror:       func() fakeMirror { m := enabled(c5, 5); m.age = stale; return m }(),
+			serializable: mirrorStale(false), fresh: checkedBy(c5), statuses: 1},
+		{state: "auth enabled in a stale mirror, a change since", user: "root", follower: serving,
+			mirror:       func() fakeMirror { m := enabled(c5, 7); m.age = stale; m.readsTo = c7; return m }(),
+			serializable: mirrorStale(false), fresh: checkedBy(c7), statuses: 1},
 	}
 }
 
@@ -347,6 +397,8 @@ func TestAuthFor(t *testing.T) {
 // issued through it at auth revision 5 (only bob's accepted since).
 func (tc authForCase) gate(t *testing.T) (*Gate, *etcdKV, *fakeMirror) {
 	mirror := tc.mirror
+	now := time.Unix(1_000_000, 0)
+	mirror.now = now
 	kv := &etcdKV{anonymous: tc.anonymous, down: tc.down, answers: map[string]error{"t-dave": rpctypes.ErrGRPCInvalidAuthToken}}
 	g := &Gate{
 		cfg:        Config{User: tc.user, TokenCheckInterval: DefaultTokenCheckInterval, FreshnessTimeout: time.Second},
@@ -356,6 +408,7 @@ func (tc authForCase) gate(t *testing.T) (*Gate, *etcdKV, *fakeMirror) {
 		follower:   tc.follower,
 		auth:       &mirror,
 		probeKV:    kv,
+		now:        func() time.Time { return now },
 	}
 	kv.g = g
 	g.tokens.issued("t-bob", "bob", 5, true)
@@ -387,4 +440,35 @@ func checkerName(c *authcache.Checker) string {
 		return "the anonymous checker"
 	}
 	return fmt.Sprintf("checker at %d", c.Revision())
+}
+
+// TestStaleMirrorWatch: a watch is never authorized from a mirror whose
+// state is older than authcache.MaxMirrorAge. A new anonymous stream is
+// relayed to etcd whole, which judges its creates (as when the cache is
+// off); a create on a stream the proxy serves is refused with
+// errAuthUnknown, which clients retry. At the bound the mirror still
+// judges both.
+func TestStaleMirrorWatch(t *testing.T) {
+	c5 := newChecker(t, 5)
+	for _, tc := range []struct {
+		name   string
+		age    time.Duration
+		relay  bool
+		create error
+	}{
+		{"at the bound", authcache.MaxMirrorAge, false, rpctypes.ErrGRPCUserEmpty},
+		{"past the bound", authcache.MaxMirrorAge + time.Nanosecond, true, errAuthUnknown},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := fakeMirror{enabled: true, known: true, checker: c5, age: tc.age}
+			g, _, _ := authForCase{user: "root", follower: fakeFollower{serving: true}, mirror: m}.gate(t)
+			ctx := t.Context()
+			if got := g.RelayWatch(ctx); got != tc.relay {
+				t.Errorf("RelayWatch = %v, want %v", got, tc.relay)
+			}
+			if err := g.AuthorizeWatch(ctx, []byte("a"), nil); !sameError(err, tc.create) {
+				t.Errorf("AuthorizeWatch = %v, want %v", err, tc.create)
+			}
+		})
+	}
 }

@@ -58,11 +58,19 @@ import (
 // auth revision from a shared AuthStatus that started after the request
 // arrived (freshAuth): a grant or revoke made before the request binds it,
 // as in etcd; one racing with it lands either way. Serializable reads and
-// new watches use the mirror, at most about a second behind.
+// new watches use the mirror, about a second behind, and never more than
+// authcache.MaxMirrorAge (counted from when its last answered poll was
+// sent): past that, its state counts as unknown (staleAuth), and a caller
+// whose request can go to etcd as it came goes there.
 
 // ErrAskEtcd, from AuthorizeRead, says that only etcd can judge the
 // caller: the read goes to etcd with the caller's credentials.
 var ErrAskEtcd = errors.New("gate: only etcd can judge this caller")
+
+// ErrMirrorStale, from AuthorizeRead, is ErrAskEtcd because the mirror's
+// auth state is older than authcache.MaxMirrorAge: the read goes to etcd
+// as it came, and etcd judges it (kvproxy counts it apart, auth_stale).
+var ErrMirrorStale = fmt.Errorf("%w: etcd's auth state, as the proxy last read it, is too old", ErrAskEtcd)
 
 // DefaultTokenCheckInterval is how long a token etcd accepted is trusted
 // before it is shown to etcd again (--auth-token-check-interval): well
@@ -86,6 +94,9 @@ type authMirror interface {
 	// Enabled reports whether etcd has auth enabled, as of the last poll,
 	// and whether any poll has answered yet.
 	Enabled() (enabled, known bool)
+	// Polled is when the latest poll etcd answered was sent: Enabled and
+	// Checker are no older.
+	Polled() time.Time
 	// Checker is the checker of the current auth revision, nil while it
 	// is not read.
 	Checker() *authcache.Checker
@@ -161,6 +172,9 @@ type Gate struct {
 	// disabledProof shares the anonymous quorum reads that prove auth
 	// disabled (freshAuth).
 	disabledProof *coalesce.Call[bool]
+	// now is the clock the mirror's age is read with (time.Now; a fake
+	// in the decisions' tests). Set before any request.
+	now func() time.Time
 
 	noMirrorLog  sync.Once // the error of refusing certificate callers
 	releaseRules atomic.Pointer[releaseRules]
@@ -173,7 +187,7 @@ func New(cfg Config) (*Gate, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
-	g := &Gate{cfg: cfg, lg: cfg.Logger, tokens: newTokens()}
+	g := &Gate{cfg: cfg, lg: cfg.Logger, tokens: newTokens(), now: time.Now}
 	var err error
 	if g.upstreamCN, err = certCommonName(cfg.UpstreamCertFile); err != nil {
 		return nil, fmt.Errorf("--cert: %w", err)
@@ -306,6 +320,9 @@ func (g *Gate) authFor(ctx context.Context, c Caller, fresh bool) (*authcache.Ch
 			}
 			return nil, none, errAuthUnknown
 		}
+		if g.now().Sub(g.auth.Polled()) > authcache.MaxMirrorAge {
+			return nil, none, g.staleAuth(c)
+		}
 	}
 	if !enabled {
 		return nil, none, nil
@@ -343,6 +360,23 @@ func (g *Gate) authFor(ctx context.Context, c Caller, fresh bool) (*authcache.Ch
 	}
 	id, err := g.tokenIdentity(ctx, c.Token, chk)
 	return chk, id, err
+}
+
+// staleAuth is authFor's answer, from the mirror, once the mirror's state
+// is older than authcache.MaxMirrorAge: as when the state is not known,
+// except that an anonymous caller's read, too, goes to etcd when it can go
+// as it came. A token caller's goes with its token (ErrMirrorStale: etcd
+// judges it), and so does an anonymous caller's when the proxy's
+// connection carries no certificate name that etcd would take for the
+// caller (as admit sends its other requests). A certificate caller's
+// cannot go as that user, nor an anonymous caller's through a connection
+// with a name: they get errAuthUnknown, which clients retry, until the
+// mirror reads etcd again. Never the stale state's answer.
+func (g *Gate) staleAuth(c Caller) error {
+	if c.Kind == TokenCaller || c.Kind == Anonymous && g.upstreamCN == "" {
+		return ErrMirrorStale
+	}
+	return errAuthUnknown
 }
 
 // tokenIdentity is the identity of a token at chk's auth revision: a JWT
@@ -462,14 +496,15 @@ func (g *Gate) AuthorizeWatch(ctx context.Context, key, rangeEnd []byte) error {
 }
 
 // RelayWatch reports whether a watch stream must be relayed to etcd whole:
-// its token is one the proxy cannot attribute, or the cache is off
-// (Forwarding).
+// its token is one the proxy cannot attribute, the cache is off
+// (Forwarding), or the mirror's state is too old to judge the stream's
+// caller and the stream can go to etcd as it came (staleAuth).
 func (g *Gate) RelayWatch(ctx context.Context) bool {
 	c := g.CallerOf(ctx)
 	switch {
 	case g.Forwarding():
 		return true
-	case c.Kind != TokenCaller:
+	case c.Kind == CertCaller:
 		return false
 	}
 	_, _, err := g.authFor(ctx, c, false)
