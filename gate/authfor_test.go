@@ -26,9 +26,9 @@ type fakeMirror struct {
 	enabled, known bool
 	// age is how long before the gate's clock (now) the last answered
 	// poll was sent.
-	age time.Duration
-	now time.Time
-	checker        *authcache.Checker // Checker's answer
+	age     time.Duration
+	now     time.Time
+	checker *authcache.Checker // Checker's answer
 	// Status's answer.
 	statusOn  bool
 	statusRev uint64
@@ -199,19 +199,35 @@ func stateUnknown(err error) authOutcomes {
 // mirrorStale is the mirror's state older than authcache.MaxMirrorAge:
 // never its answer. A caller whose read goes to etcd as it came goes
 // there (ErrMirrorStale): tokens, and an anonymous caller unless the
-// proxy's connection carries a certificate's name (named); the others get
-// errAuthUnknown, as when the state is not known.
-func mirrorStale(named bool) authOutcomes {
+// proxy's connection carries a certificate's name (named). The others get
+// proven, the answer of a fresh request; nil: errAuthUnknown (the proxy
+// without an identity of its own cannot prove it).
+func mirrorStale(named bool, proven *authOutcomes) authOutcomes {
 	stale := refusedWith(ErrMirrorStale)
 	o := authOutcomes{
 		anonymous: stale, cert: refusedWith(errAuthUnknown),
 		trusted: stale, verified: stale, revoked: stale, unknown: stale,
 	}
+	if proven != nil {
+		o.cert = proven.cert
+	}
 	if named {
-		o.anonymous = refusedWith(errAuthUnknown)
+		o.anonymous = proven.anonymous
 	}
 	return o
 }
+
+// provesWhenStale reports whether caller i's request that authFor would
+// judge from a stale mirror is judged as a fresh one instead, asking etcd
+// as a fresh one does (staleAuth): a certificate caller, and an anonymous
+// one behind a connection with a name, when the proxy has an identity.
+func (tc authForCase) provesWhenStale(i int) bool {
+	kind := callers[i].caller.Kind
+	return tc.mirror.age > authcache.MaxMirrorAge && (tc.user != "" || tc.cn != "") &&
+		(kind == CertCaller || kind == Anonymous && tc.cn != "")
+}
+
+func ptr[T any](v T) *T { return &v }
 
 func newChecker(t *testing.T, rev uint64) *authcache.Checker {
 	t.Helper()
@@ -241,7 +257,8 @@ type authForCase struct {
 	// checked forwarded request (at an auth state proven after it came).
 	serializable, fresh authOutcomes
 	// What a fresh request asks etcd for: AuthStatus calls, and anonymous
-	// reads that prove auth disabled. A serializable one asks neither.
+	// reads that prove auth disabled. A serializable one asks neither,
+	// but from a stale mirror for a caller it proves (provesWhenStale).
 	statuses, proofs int
 }
 
@@ -332,19 +349,26 @@ func authForCases(t *testing.T) []authForCase {
 		{state: "auth disabled in a stale mirror, enabled since", user: "root", follower: serving,
 			mirror:       fakeMirror{known: true, age: stale, statusOn: true, statusRev: 5, readsTo: c5},
 			anonymous:    rpctypes.ErrGRPCUserEmpty,
-			serializable: mirrorStale(false), fresh: checkedBy(c5), statuses: 1, proofs: 1},
+			serializable: mirrorStale(false, ptr(checkedBy(c5))), fresh: checkedBy(c5), statuses: 1, proofs: 1},
 		{state: "auth disabled in a stale mirror, no identity of the proxy's own", follower: serving,
 			mirror:       fakeMirror{known: true, age: stale},
-			serializable: mirrorStale(false), fresh: everyone(allowed)},
+			serializable: mirrorStale(false, nil), fresh: everyone(allowed)},
 		{state: "auth disabled in a stale mirror, the proxy a certificate identity", cn: "proxy", follower: serving,
 			mirror:       fakeMirror{known: true, age: stale},
-			serializable: mirrorStale(true), fresh: everyone(allowed), statuses: 1},
+			serializable: mirrorStale(true, ptr(everyone(allowed))), fresh: everyone(allowed), statuses: 1},
+		{state: "auth disabled in a stale mirror, enabled since, the proxy a certificate identity", cn: "proxy", follower: serving,
+			mirror:       fakeMirror{known: true, age: stale, statusOn: true, statusRev: 5, readsTo: c5},
+			serializable: mirrorStale(true, ptr(checkedBy(c5))), fresh: checkedBy(c5), statuses: 1},
 		{state: "auth enabled in a stale mirror", user: "root", follower: serving,
 			mirror:       func() fakeMirror { m := enabled(c5, 5); m.age = stale; return m }(),
-			serializable: mirrorStale(false), fresh: checkedBy(c5), statuses: 1},
+			serializable: mirrorStale(false, ptr(checkedBy(c5))), fresh: checkedBy(c5), statuses: 1},
 		{state: "auth enabled in a stale mirror, a change since", user: "root", follower: serving,
 			mirror:       func() fakeMirror { m := enabled(c5, 7); m.age = stale; m.readsTo = c7; return m }(),
-			serializable: mirrorStale(false), fresh: checkedBy(c7), statuses: 1},
+			serializable: mirrorStale(false, ptr(checkedBy(c7))), fresh: checkedBy(c7), statuses: 1},
+		{state: "auth enabled in a stale mirror, etcd unreachable", user: "root", follower: serving,
+			mirror:       func() fakeMirror { m := enabled(c5, 5); m.age = stale; m.statusErr = errUnreachable; return m }(),
+			down:         errUnreachable,
+			serializable: mirrorStale(false, ptr(stateUnknown(readingFailed))), fresh: stateUnknown(readingFailed), statuses: 1},
 	}
 }
 
@@ -381,7 +405,7 @@ func TestAuthFor(t *testing.T) {
 						t.Fatalf("authFor = %s, %+v, %v; want %s, %+v, %v", checkerName(chk), id, err, checkerName(w.chk), w.id, w.err)
 					}
 					statuses, proofs := 0, 0
-					if kind.fresh {
+					if kind.fresh || tc.provesWhenStale(i) {
 						statuses, proofs = tc.statuses, tc.proofs
 					}
 					if mirror.statuses != statuses || kv.proofsDone() != proofs {
@@ -442,32 +466,45 @@ func checkerName(c *authcache.Checker) string {
 	return fmt.Sprintf("checker at %d", c.Revision())
 }
 
-// TestStaleMirrorWatch: a watch is never authorized from a mirror whose
-// state is older than authcache.MaxMirrorAge. A new anonymous stream is
-// relayed to etcd whole, which judges its creates (as when the cache is
-// off); a create on a stream the proxy serves is refused with
-// errAuthUnknown, which clients retry. At the bound the mirror still
-// judges both.
+// TestStaleMirrorWatch: an anonymous caller's watch is never authorized
+// from a mirror whose state is older than authcache.MaxMirrorAge. A new
+// stream is relayed to etcd whole, which judges its creates (as when the
+// cache is off); a create on a stream the proxy serves is checked at an
+// auth state proven now (one AuthStatus) when the proxy has an identity of
+// its own, else refused with errAuthUnknown, which clients retry. At the
+// bound the mirror still judges both, asking etcd nothing.
 func TestStaleMirrorWatch(t *testing.T) {
 	c5 := newChecker(t, 5)
 	for _, tc := range []struct {
-		name   string
-		age    time.Duration
-		relay  bool
-		create error
+		name     string
+		user     string
+		age      time.Duration
+		disabled bool // in the mirror
+		statusOn bool // etcd's auth state, which the mirror may not know
+		relay    bool
+		create   error
+		statuses int
 	}{
-		{"at the bound", authcache.MaxMirrorAge, false, rpctypes.ErrGRPCUserEmpty},
-		{"past the bound", authcache.MaxMirrorAge + time.Nanosecond, true, errAuthUnknown},
+		{name: "at the bound", user: "root", age: authcache.MaxMirrorAge, create: rpctypes.ErrGRPCUserEmpty},
+		{name: "past the bound, auth still enabled", user: "root", age: authcache.MaxMirrorAge + time.Nanosecond, statusOn: true,
+			relay: true, create: rpctypes.ErrGRPCUserEmpty, statuses: 1},
+		{name: "past the bound, auth disabled since", user: "root", age: authcache.MaxMirrorAge + time.Nanosecond,
+			relay: true, create: nil, statuses: 1},
+		{name: "past the bound, no identity of the proxy's own, auth disabled in the mirror", age: authcache.MaxMirrorAge + time.Nanosecond,
+			disabled: true, statusOn: true, relay: true, create: errAuthUnknown},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			m := fakeMirror{enabled: true, known: true, checker: c5, age: tc.age}
-			g, _, _ := authForCase{user: "root", follower: fakeFollower{serving: true}, mirror: m}.gate(t)
+			m := fakeMirror{enabled: !tc.disabled, known: true, checker: c5, age: tc.age, statusOn: tc.statusOn, statusRev: 5}
+			g, _, mirror := authForCase{user: tc.user, follower: fakeFollower{serving: true}, mirror: m}.gate(t)
 			ctx := t.Context()
 			if got := g.RelayWatch(ctx); got != tc.relay {
 				t.Errorf("RelayWatch = %v, want %v", got, tc.relay)
 			}
 			if err := g.AuthorizeWatch(ctx, []byte("a"), nil); !sameError(err, tc.create) {
 				t.Errorf("AuthorizeWatch = %v, want %v", err, tc.create)
+			}
+			if mirror.statuses != tc.statuses {
+				t.Errorf("asked etcd for %d AuthStatus, want %d", mirror.statuses, tc.statuses)
 			}
 		})
 	}

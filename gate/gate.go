@@ -60,8 +60,9 @@ import (
 // as in etcd; one racing with it lands either way. Serializable reads and
 // new watches use the mirror, about a second behind, and never more than
 // authcache.MaxMirrorAge (counted from when its last answered poll was
-// sent): past that, its state counts as unknown (staleAuth), and a caller
-// whose request can go to etcd as it came goes there.
+// sent): past that, a caller whose request can go to etcd as it came
+// goes there, and the others are checked as a fresh request is
+// (staleAuth).
 
 // ErrAskEtcd, from AuthorizeRead, says that only etcd can judge the
 // caller: the read goes to etcd with the caller's credentials.
@@ -321,7 +322,10 @@ func (g *Gate) authFor(ctx context.Context, c Caller, fresh bool) (*authcache.Ch
 			return nil, none, errAuthUnknown
 		}
 		if g.now().Sub(g.auth.Polled()) > authcache.MaxMirrorAge {
-			return nil, none, g.staleAuth(c)
+			if err := g.staleAuth(c); err != nil {
+				return nil, none, err
+			}
+			return g.authFor(ctx, c, true)
 		}
 	}
 	if !enabled {
@@ -362,19 +366,25 @@ func (g *Gate) authFor(ctx context.Context, c Caller, fresh bool) (*authcache.Ch
 	return chk, id, err
 }
 
-// staleAuth is authFor's answer, from the mirror, once the mirror's state
-// is older than authcache.MaxMirrorAge: as when the state is not known,
-// except that an anonymous caller's read, too, goes to etcd when it can go
-// as it came. A token caller's goes with its token (ErrMirrorStale: etcd
-// judges it), and so does an anonymous caller's when the proxy's
-// connection carries no certificate name that etcd would take for the
-// caller (as admit sends its other requests). A certificate caller's
-// cannot go as that user, nor an anonymous caller's through a connection
-// with a name: they get errAuthUnknown, which clients retry, until the
-// mirror reads etcd again. Never the stale state's answer.
+// staleAuth decides for a request authFor would judge from the mirror
+// when the mirror's state is older than authcache.MaxMirrorAge; never from
+// that state. A caller whose request can go to etcd as it came goes there
+// (ErrMirrorStale, an ErrAskEtcd: etcd judges it), as when the state is
+// not known: a token caller, with its token, and an anonymous caller when
+// the proxy's connection carries no certificate name that etcd would take
+// for the caller (as admit sends its other requests). The others cannot
+// go as they came: with an identity of its own, the proxy proves the auth
+// state as for a linearizable read (nil: authFor with fresh), a shared
+// AuthStatus whose answer also renews the mirror; without one it cannot
+// (that proof would rest on a read fence a serializable read does not
+// take), and they get errAuthUnknown, which clients retry, as when the
+// state is not known.
 func (g *Gate) staleAuth(c Caller) error {
-	if c.Kind == TokenCaller || c.Kind == Anonymous && g.upstreamCN == "" {
+	switch {
+	case c.Kind == TokenCaller, c.Kind == Anonymous && g.upstreamCN == "":
 		return ErrMirrorStale
+	case g.hasIdentity():
+		return nil
 	}
 	return errAuthUnknown
 }
@@ -483,9 +493,17 @@ func (g *Gate) AuthorizeRead(ctx context.Context, key, rangeEnd []byte, lineariz
 // the proxy serves. Streams whose token the proxy cannot attribute are
 // relayed (RelayWatch); one that it could at the
 // start but cannot now is refused with Unavailable, which clients retry.
+// With the mirror older than authcache.MaxMirrorAge, the create is checked
+// at an auth state proven now when the proxy has an identity of its own,
+// and refused with Unavailable otherwise.
 func (g *Gate) AuthorizeWatch(ctx context.Context, key, rangeEnd []byte) error {
 	c := g.CallerOf(ctx)
 	chk, id, err := g.authFor(ctx, c, false)
+	if errors.Is(err, ErrMirrorStale) && g.hasIdentity() {
+		// A create on a stream the proxy serves cannot go to etcd alone:
+		// the auth state is proven now, as for a linearizable read.
+		chk, id, err = g.authFor(ctx, c, true)
+	}
 	switch {
 	case errors.Is(err, ErrAskEtcd):
 		return errAuthUnknown
