@@ -39,15 +39,16 @@ const disabledPollInterval = 500 * time.Millisecond
 // treated as unknown: a poll starved of CPU, or stuck on a congested
 // connection, must not leave the proxy trusting an auth state from long
 // ago, where etcd's member judges a serializable read at its own apply
-// lag, milliseconds.
+// lag, milliseconds. (What the gate does instead is its staleAuth.)
 //
 // A healthy mirror is never that old: it sends its next poll one interval
 // (DefaultPollInterval while auth is enabled, disabledPollInterval while
 // it is not) after the previous one answered, so its age stays below an
-// interval plus two AuthStatus round trips. Two seconds absorb an
-// AuthStatus (a raft proposal) of up to half a second, five times etcd's
-// own slow-request warning, without the gate giving up on a healthy
-// mirror; and it keeps the proxy, starved, within the three seconds in
+// interval plus two AuthStatus round trips (and, after an auth change,
+// the read of the users and roles). Two seconds absorb an AuthStatus (a
+// raft proposal) of up to half a second, five times etcd's own
+// slow-request warning, without the gate giving up on a healthy mirror;
+// and it keeps the proxy, starved, within the three seconds in
 // which it promises that an auth change binds serializable reads, with a
 // second left for the forwarded answer. It is a constant, not a flag, as
 // the poll intervals are: etcd's grpc-proxy has no equivalent to mirror.
@@ -182,7 +183,10 @@ func (m *Mirror) poll(ctx context.Context) {
 		m.readErr = err
 		return
 	}
-	if snap.Revision >= m.revision {
+	// Enabling auth keeps the auth revision: at the same revision, a
+	// state read by a call sent after this poll's (Status) may be newer
+	// than the snapshot, and is kept.
+	if snap.Revision > m.revision || snap.Revision == m.revision && (snap.Enabled == m.enabled || !m.polled.After(sent)) {
 		m.checker, m.readErr = c, nil
 		m.enabled, m.revision = snap.Enabled, snap.Revision
 		close(m.changed)
@@ -198,12 +202,13 @@ func (m *Mirror) poll(ctx context.Context) {
 func (m *Mirror) observe(enabled bool, rev uint64, sent time.Time) (stale bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.known && rev != 0 && rev < m.revision {
-		return false // an older answer than one already seen
+	if m.known && (rev != 0 && rev < m.revision || sent.Before(m.polled)) {
+		// An older answer than one already seen, or an answer to a call
+		// sent before the one whose answer is kept: the state kept is as
+		// of its sending or later, which Polled promises.
+		return false
 	}
-	if sent.After(m.polled) {
-		m.polled = sent
-	}
+	m.polled = sent
 	if enabled != m.enabled || !m.known {
 		m.cfg.Logger.Info("etcd auth", zap.Bool("enabled", enabled), zap.Uint64("auth-revision", rev))
 	}
@@ -258,7 +263,8 @@ func (m *Mirror) Enabled() (enabled, known bool) {
 }
 
 // Polled returns when the latest poll etcd answered was sent (the zero
-// time before any): the auth state of Enabled and Checker is no older.
+// time before any): the auth state of Enabled and Checker was etcd's at
+// that moment or later.
 // The gate decides nothing from a state older than MaxMirrorAge.
 func (m *Mirror) Polled() time.Time {
 	m.mu.Lock()
