@@ -33,6 +33,27 @@ const DefaultPollInterval = time.Second
 // second.
 const disabledPollInterval = 500 * time.Millisecond
 
+// MaxMirrorAge is how old the mirror's auth state may be, counted from
+// when the last poll etcd answered was sent (Polled), for a read or watch
+// to be authorized from it without asking etcd. Past it the state is
+// treated as unknown: a poll starved of CPU, or stuck on a congested
+// connection, must not leave the proxy trusting an auth state from long
+// ago, where etcd's member judges a serializable read at its own apply
+// lag, milliseconds. (What the gate does instead is its staleAuth.)
+//
+// A healthy mirror is never that old: it sends its next poll one interval
+// (DefaultPollInterval while auth is enabled, disabledPollInterval while
+// it is not) after the previous one answered, so its age stays below an
+// interval plus two AuthStatus round trips (and, after an auth change,
+// the read of the users and roles). Two seconds absorb an AuthStatus (a
+// raft proposal) of up to half a second, five times etcd's own
+// slow-request warning, without the gate giving up on a healthy mirror;
+// and it keeps the proxy, starved, within the three seconds in
+// which it promises that an auth change binds serializable reads, with a
+// second left for the forwarded answer. It is a constant, not a flag, as
+// the poll intervals are: etcd's grpc-proxy has no equivalent to mirror.
+const MaxMirrorAge = 2 * DefaultPollInterval
+
 // MirrorConfig configures a Mirror.
 type MirrorConfig struct {
 	// Auth is etcd's Auth service, reached with the proxy's own
@@ -64,6 +85,7 @@ type Mirror struct {
 	mu sync.Mutex
 	// Guarded by mu.
 	known    bool          // AuthStatus has answered at least once
+	polled   time.Time     // when the latest poll etcd answered was sent
 	enabled  bool          // auth was enabled at the last AuthStatus
 	revision uint64        // the auth revision of the last AuthStatus
 	checker  *Checker      // at revision; nil when it could not be read
@@ -122,15 +144,17 @@ func (m *Mirror) poll(ctx context.Context) {
 	known, enabled := m.known, m.enabled
 	m.mu.Unlock()
 	if m.cfg.EnabledProbe != nil && (!known || !enabled) {
+		sent := time.Now()
 		on, err := m.cfg.EnabledProbe(ctx)
 		if err != nil {
 			return // unknown: try again at the next poll
 		}
 		if !on {
-			m.observe(false, 0)
+			m.observe(false, 0, sent)
 			return
 		}
 	}
+	sent := time.Now()
 	st, err := m.cfg.Auth.AuthStatus(ctx, &pb.AuthStatusRequest{})
 	if err != nil {
 		if ctx.Err() == nil {
@@ -138,7 +162,7 @@ func (m *Mirror) poll(ctx context.Context) {
 		}
 		return
 	}
-	if !m.observe(st.Enabled, st.AuthRevision) {
+	if !m.observe(st.Enabled, st.AuthRevision, sent) {
 		return
 	}
 	snap, err := Fetch(ctx, m.cfg.Auth)
@@ -159,7 +183,10 @@ func (m *Mirror) poll(ctx context.Context) {
 		m.readErr = err
 		return
 	}
-	if snap.Revision >= m.revision {
+	// Enabling auth keeps the auth revision: at the same revision, a
+	// state read by a call sent after this poll's (Status) may be newer
+	// than the snapshot, and is kept.
+	if snap.Revision > m.revision || snap.Revision == m.revision && (snap.Enabled == m.enabled || !m.polled.After(sent)) {
 		m.checker, m.readErr = c, nil
 		m.enabled, m.revision = snap.Enabled, snap.Revision
 		close(m.changed)
@@ -167,15 +194,21 @@ func (m *Mirror) poll(ctx context.Context) {
 	}
 }
 
-// observe records an auth state etcd reported, and reports whether the
-// checker must be read again. A state from auth disabled (the cheap probe)
-// carries no revision.
-func (m *Mirror) observe(enabled bool, rev uint64) (stale bool) {
+// observe records an auth state etcd reported to a call sent at sent,
+// and reports whether the checker must be read again. A state from auth
+// disabled (the cheap probe) carries no revision. The state is as fresh as
+// the call's sending, not its answer: etcd may have changed it any time
+// after that, and a slow answer must not look recent.
+func (m *Mirror) observe(enabled bool, rev uint64, sent time.Time) (stale bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.known && rev != 0 && rev < m.revision {
-		return false // an older answer than one already seen
+	if m.known && (rev != 0 && rev < m.revision || sent.Before(m.polled)) {
+		// An older answer than one already seen, or an answer to a call
+		// sent before the one whose answer is kept: the state kept is as
+		// of its sending or later, which Polled promises.
+		return false
 	}
+	m.polled = sent
 	if enabled != m.enabled || !m.known {
 		m.cfg.Logger.Info("etcd auth", zap.Bool("enabled", enabled), zap.Uint64("auth-revision", rev))
 	}
@@ -229,6 +262,16 @@ func (m *Mirror) Enabled() (enabled, known bool) {
 	return m.enabled, m.known
 }
 
+// Polled returns when the latest poll etcd answered was sent (the zero
+// time before any): the auth state of Enabled and Checker was etcd's at
+// that moment or later.
+// The gate decides nothing from a state older than MaxMirrorAge.
+func (m *Mirror) Polled() time.Time {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.polled
+}
+
 // Checker returns the checker of etcd's current auth revision, or nil
 // while it is unknown.
 func (m *Mirror) Checker() *Checker {
@@ -242,11 +285,14 @@ func (m *Mirror) Checker() *Checker {
 // as of a moment after the caller's request arrived, which binds that
 // request as it binds it in etcd.
 func (m *Mirror) Status(ctx context.Context) (enabled bool, rev uint64, err error) {
+	// The shared call that answers was sent after this moment: as a poll,
+	// it is at least this fresh.
+	asked := time.Now()
 	st, err := m.status.Do(ctx)
 	if err != nil {
 		return false, 0, err
 	}
-	if m.observe(st.Enabled, st.AuthRevision) {
+	if m.observe(st.Enabled, st.AuthRevision, asked) {
 		m.poke()
 	}
 	return st.Enabled, st.AuthRevision, nil

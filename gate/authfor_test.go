@@ -24,7 +24,11 @@ import (
 // fakeMirror is etcd's auth state as the test sets it.
 type fakeMirror struct {
 	enabled, known bool
-	checker        *authcache.Checker // Checker's answer
+	// age is how long before the gate's clock (now) the last answered
+	// poll was sent.
+	age     time.Duration
+	now     time.Time
+	checker *authcache.Checker // Checker's answer
 	// Status's answer.
 	statusOn  bool
 	statusRev uint64
@@ -39,6 +43,7 @@ type fakeMirror struct {
 
 func (m *fakeMirror) Enabled() (bool, bool)       { return m.enabled, m.known }
 func (m *fakeMirror) Checker() *authcache.Checker { return m.checker }
+func (m *fakeMirror) Polled() time.Time           { return m.now.Add(-m.age) }
 
 func (m *fakeMirror) Status(ctx context.Context) (bool, uint64, error) {
 	m.statuses++
@@ -191,6 +196,39 @@ func stateUnknown(err error) authOutcomes {
 	}
 }
 
+// mirrorStale is the mirror's state older than authcache.MaxMirrorAge:
+// never its answer. A caller whose read goes to etcd as it came goes
+// there (ErrMirrorStale): tokens, and an anonymous caller unless the
+// proxy's connection carries a certificate's name (named). The others get
+// proven, the answer of a fresh request; nil: errAuthUnknown (the proxy
+// without an identity of its own cannot prove it).
+func mirrorStale(named bool, proven *authOutcomes) authOutcomes {
+	stale := refusedWith(ErrMirrorStale)
+	o := authOutcomes{
+		anonymous: stale, cert: refusedWith(errAuthUnknown),
+		trusted: stale, verified: stale, revoked: stale, unknown: stale,
+	}
+	if proven != nil {
+		o.cert = proven.cert
+	}
+	if named {
+		o.anonymous = proven.anonymous
+	}
+	return o
+}
+
+// provesWhenStale reports whether caller i's request that authFor would
+// judge from a stale mirror is judged as a fresh one instead, asking etcd
+// as a fresh one does (staleAuth): a certificate caller, and an anonymous
+// one behind a connection with a name, when the proxy has an identity.
+func (tc authForCase) provesWhenStale(i int) bool {
+	kind := callers[i].caller.Kind
+	return tc.mirror.age > authcache.MaxMirrorAge && (tc.user != "" || tc.cn != "") &&
+		(kind == CertCaller || kind == Anonymous && tc.cn != "")
+}
+
+func ptr[T any](v T) *T { return &v }
+
 func newChecker(t *testing.T, rev uint64) *authcache.Checker {
 	t.Helper()
 	c, err := authcache.NewChecker(authcache.Snapshot{Enabled: true, Revision: rev}, nil)
@@ -219,7 +257,8 @@ type authForCase struct {
 	// checked forwarded request (at an auth state proven after it came).
 	serializable, fresh authOutcomes
 	// What a fresh request asks etcd for: AuthStatus calls, and anonymous
-	// reads that prove auth disabled. A serializable one asks neither.
+	// reads that prove auth disabled. A serializable one asks neither,
+	// but from a stale mirror for a caller it proves (provesWhenStale).
 	statuses, proofs int
 }
 
@@ -229,6 +268,7 @@ func authForCases(t *testing.T) []authForCase {
 	errNoRoot := fmt.Errorf("%w: %w", authcache.ErrNoMirror, rpctypes.ErrGRPCPermissionDenied)
 	readingFailed := status.Errorf(codes.Unavailable, "etcd-snapcache: reading etcd's auth state: %v", errUnreachable)
 	canceled := status.FromContextError(context.Canceled).Err()
+	stale := authcache.MaxMirrorAge + time.Nanosecond
 	serving := fakeFollower{serving: true}
 	enabled := func(c *authcache.Checker, rev uint64) fakeMirror {
 		return fakeMirror{enabled: true, known: true, checker: c, statusOn: true, statusRev: rev}
@@ -295,6 +335,40 @@ func authForCases(t *testing.T) []authForCase {
 		{state: "auth enabled, users and roles being read, the caller gone", user: "root", follower: serving,
 			mirror: enabled(nil, 5), canceled: true,
 			serializable: noChecker(canceled), fresh: stateUnknown(canceled), statuses: 1},
+
+		// The mirror's state as old as the bound allows: still used.
+		{state: "auth disabled, the mirror's last poll at the bound", user: "root", follower: serving,
+			mirror:       fakeMirror{known: true, age: authcache.MaxMirrorAge},
+			serializable: everyone(allowed), fresh: everyone(allowed), proofs: 1},
+		{state: "auth enabled, the mirror's last poll at the bound", user: "root", follower: serving,
+			mirror:       func() fakeMirror { m := enabled(c5, 5); m.age = authcache.MaxMirrorAge; return m }(),
+			serializable: checkedBy(c5), fresh: checkedBy(c5), statuses: 1},
+		// Older (its poll starved, or stuck): never used for a
+		// serializable read or a watch; a fresh request proves the state
+		// as always.
+		{state: "auth disabled in a stale mirror, enabled since", user: "root", follower: serving,
+			mirror:       fakeMirror{known: true, age: stale, statusOn: true, statusRev: 5, readsTo: c5},
+			anonymous:    rpctypes.ErrGRPCUserEmpty,
+			serializable: mirrorStale(false, ptr(checkedBy(c5))), fresh: checkedBy(c5), statuses: 1, proofs: 1},
+		{state: "auth disabled in a stale mirror, no identity of the proxy's own", follower: serving,
+			mirror:       fakeMirror{known: true, age: stale},
+			serializable: mirrorStale(false, nil), fresh: everyone(allowed)},
+		{state: "auth disabled in a stale mirror, the proxy a certificate identity", cn: "proxy", follower: serving,
+			mirror:       fakeMirror{known: true, age: stale},
+			serializable: mirrorStale(true, ptr(everyone(allowed))), fresh: everyone(allowed), statuses: 1},
+		{state: "auth disabled in a stale mirror, enabled since, the proxy a certificate identity", cn: "proxy", follower: serving,
+			mirror:       fakeMirror{known: true, age: stale, statusOn: true, statusRev: 5, readsTo: c5},
+			serializable: mirrorStale(true, ptr(checkedBy(c5))), fresh: checkedBy(c5), statuses: 1},
+		{state: "auth enabled in a stale mirror", user: "root", follower: serving,
+			mirror:       func() fakeMirror { m := enabled(c5, 5); m.age = stale; return m }(),
+			serializable: mirrorStale(false, ptr(checkedBy(c5))), fresh: checkedBy(c5), statuses: 1},
+		{state: "auth enabled in a stale mirror, a change since", user: "root", follower: serving,
+			mirror:       func() fakeMirror { m := enabled(c5, 7); m.age = stale; m.readsTo = c7; return m }(),
+			serializable: mirrorStale(false, ptr(checkedBy(c7))), fresh: checkedBy(c7), statuses: 1},
+		{state: "auth enabled in a stale mirror, etcd unreachable", user: "root", follower: serving,
+			mirror:       func() fakeMirror { m := enabled(c5, 5); m.age = stale; m.statusErr = errUnreachable; return m }(),
+			down:         errUnreachable,
+			serializable: mirrorStale(false, ptr(stateUnknown(readingFailed))), fresh: stateUnknown(readingFailed), statuses: 1},
 	}
 }
 
@@ -331,7 +405,7 @@ func TestAuthFor(t *testing.T) {
 						t.Fatalf("authFor = %s, %+v, %v; want %s, %+v, %v", checkerName(chk), id, err, checkerName(w.chk), w.id, w.err)
 					}
 					statuses, proofs := 0, 0
-					if kind.fresh {
+					if kind.fresh || tc.provesWhenStale(i) {
 						statuses, proofs = tc.statuses, tc.proofs
 					}
 					if mirror.statuses != statuses || kv.proofsDone() != proofs {
@@ -347,6 +421,8 @@ func TestAuthFor(t *testing.T) {
 // issued through it at auth revision 5 (only bob's accepted since).
 func (tc authForCase) gate(t *testing.T) (*Gate, *etcdKV, *fakeMirror) {
 	mirror := tc.mirror
+	now := time.Unix(1_000_000, 0)
+	mirror.now = now
 	kv := &etcdKV{anonymous: tc.anonymous, down: tc.down, answers: map[string]error{"t-dave": rpctypes.ErrGRPCInvalidAuthToken}}
 	g := &Gate{
 		cfg:        Config{User: tc.user, TokenCheckInterval: DefaultTokenCheckInterval, FreshnessTimeout: time.Second},
@@ -356,6 +432,7 @@ func (tc authForCase) gate(t *testing.T) (*Gate, *etcdKV, *fakeMirror) {
 		follower:   tc.follower,
 		auth:       &mirror,
 		probeKV:    kv,
+		now:        func() time.Time { return now },
 	}
 	kv.g = g
 	g.tokens.issued("t-bob", "bob", 5, true)
@@ -387,4 +464,48 @@ func checkerName(c *authcache.Checker) string {
 		return "the anonymous checker"
 	}
 	return fmt.Sprintf("checker at %d", c.Revision())
+}
+
+// TestStaleMirrorWatch: an anonymous caller's watch is never authorized
+// from a mirror whose state is older than authcache.MaxMirrorAge. A new
+// stream is relayed to etcd whole, which judges its creates (as when the
+// cache is off); a create on a stream the proxy serves is checked at an
+// auth state proven now (one AuthStatus) when the proxy has an identity of
+// its own, else refused with errAuthUnknown, which clients retry. At the
+// bound the mirror still judges both, asking etcd nothing.
+func TestStaleMirrorWatch(t *testing.T) {
+	c5 := newChecker(t, 5)
+	for _, tc := range []struct {
+		name     string
+		user     string
+		age      time.Duration
+		disabled bool // in the mirror
+		statusOn bool // etcd's auth state, which the mirror may not know
+		relay    bool
+		create   error
+		statuses int
+	}{
+		{name: "at the bound", user: "root", age: authcache.MaxMirrorAge, create: rpctypes.ErrGRPCUserEmpty},
+		{name: "past the bound, auth still enabled", user: "root", age: authcache.MaxMirrorAge + time.Nanosecond, statusOn: true,
+			relay: true, create: rpctypes.ErrGRPCUserEmpty, statuses: 1},
+		{name: "past the bound, auth disabled since", user: "root", age: authcache.MaxMirrorAge + time.Nanosecond,
+			relay: true, create: nil, statuses: 1},
+		{name: "past the bound, no identity of the proxy's own, auth disabled in the mirror", age: authcache.MaxMirrorAge + time.Nanosecond,
+			disabled: true, statusOn: true, relay: true, create: errAuthUnknown},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := fakeMirror{enabled: !tc.disabled, known: true, checker: c5, age: tc.age, statusOn: tc.statusOn, statusRev: 5}
+			g, _, mirror := authForCase{user: tc.user, follower: fakeFollower{serving: true}, mirror: m}.gate(t)
+			ctx := t.Context()
+			if got := g.RelayWatch(ctx); got != tc.relay {
+				t.Errorf("RelayWatch = %v, want %v", got, tc.relay)
+			}
+			if err := g.AuthorizeWatch(ctx, []byte("a"), nil); !sameError(err, tc.create) {
+				t.Errorf("AuthorizeWatch = %v, want %v", err, tc.create)
+			}
+			if mirror.statuses != tc.statuses {
+				t.Errorf("asked etcd for %d AuthStatus, want %d", mirror.statuses, tc.statuses)
+			}
+		})
+	}
 }

@@ -58,11 +58,20 @@ import (
 // auth revision from a shared AuthStatus that started after the request
 // arrived (freshAuth): a grant or revoke made before the request binds it,
 // as in etcd; one racing with it lands either way. Serializable reads and
-// new watches use the mirror, at most about a second behind.
+// new watches use the mirror, about a second behind, and never more than
+// authcache.MaxMirrorAge (counted from when its last answered poll was
+// sent): past that, a caller whose request can go to etcd as it came
+// goes there, and the others are checked as a fresh request is
+// (staleAuth).
 
 // ErrAskEtcd, from AuthorizeRead, says that only etcd can judge the
 // caller: the read goes to etcd with the caller's credentials.
 var ErrAskEtcd = errors.New("gate: only etcd can judge this caller")
+
+// ErrMirrorStale, from AuthorizeRead, is ErrAskEtcd because the mirror's
+// auth state is older than authcache.MaxMirrorAge: the read goes to etcd
+// as it came, and etcd judges it (kvproxy counts it apart, auth_stale).
+var ErrMirrorStale = fmt.Errorf("%w: etcd's auth state, as the proxy last read it, is too old", ErrAskEtcd)
 
 // DefaultTokenCheckInterval is how long a token etcd accepted is trusted
 // before it is shown to etcd again (--auth-token-check-interval): well
@@ -86,6 +95,9 @@ type authMirror interface {
 	// Enabled reports whether etcd has auth enabled, as of the last poll,
 	// and whether any poll has answered yet.
 	Enabled() (enabled, known bool)
+	// Polled is when the latest poll etcd answered was sent: Enabled and
+	// Checker are no older.
+	Polled() time.Time
 	// Checker is the checker of the current auth revision, nil while it
 	// is not read.
 	Checker() *authcache.Checker
@@ -161,6 +173,9 @@ type Gate struct {
 	// disabledProof shares the anonymous quorum reads that prove auth
 	// disabled (freshAuth).
 	disabledProof *coalesce.Call[bool]
+	// now is the clock the mirror's age is read with (time.Now; a fake
+	// in the decisions' tests). Set before any request.
+	now func() time.Time
 
 	noMirrorLog  sync.Once // the error of refusing certificate callers
 	releaseRules atomic.Pointer[releaseRules]
@@ -173,7 +188,7 @@ func New(cfg Config) (*Gate, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
-	g := &Gate{cfg: cfg, lg: cfg.Logger, tokens: newTokens()}
+	g := &Gate{cfg: cfg, lg: cfg.Logger, tokens: newTokens(), now: time.Now}
 	var err error
 	if g.upstreamCN, err = certCommonName(cfg.UpstreamCertFile); err != nil {
 		return nil, fmt.Errorf("--cert: %w", err)
@@ -306,6 +321,12 @@ func (g *Gate) authFor(ctx context.Context, c Caller, fresh bool) (*authcache.Ch
 			}
 			return nil, none, errAuthUnknown
 		}
+		if g.now().Sub(g.auth.Polled()) > authcache.MaxMirrorAge {
+			if err := g.staleAuth(c); err != nil {
+				return nil, none, err
+			}
+			return g.authFor(ctx, c, true)
+		}
 	}
 	if !enabled {
 		return nil, none, nil
@@ -343,6 +364,29 @@ func (g *Gate) authFor(ctx context.Context, c Caller, fresh bool) (*authcache.Ch
 	}
 	id, err := g.tokenIdentity(ctx, c.Token, chk)
 	return chk, id, err
+}
+
+// staleAuth decides for a request authFor would judge from the mirror
+// when the mirror's state is older than authcache.MaxMirrorAge; never from
+// that state. A caller whose request can go to etcd as it came goes there
+// (ErrMirrorStale, an ErrAskEtcd: etcd judges it), as when the state is
+// not known: a token caller, with its token, and an anonymous caller when
+// the proxy's connection carries no certificate name that etcd would take
+// for the caller (as admit sends its other requests). The others cannot
+// go as they came: with an identity of its own, the proxy proves the auth
+// state as for a linearizable read (nil: authFor with fresh), a shared
+// AuthStatus whose answer also renews the mirror; without one it cannot
+// (that proof would rest on a read fence a serializable read does not
+// take), and they get errAuthUnknown, which clients retry, as when the
+// state is not known.
+func (g *Gate) staleAuth(c Caller) error {
+	switch {
+	case c.Kind == TokenCaller, c.Kind == Anonymous && g.upstreamCN == "":
+		return ErrMirrorStale
+	case g.hasIdentity():
+		return nil
+	}
+	return errAuthUnknown
 }
 
 // tokenIdentity is the identity of a token at chk's auth revision: a JWT
@@ -449,9 +493,17 @@ func (g *Gate) AuthorizeRead(ctx context.Context, key, rangeEnd []byte, lineariz
 // the proxy serves. Streams whose token the proxy cannot attribute are
 // relayed (RelayWatch); one that it could at the
 // start but cannot now is refused with Unavailable, which clients retry.
+// With the mirror older than authcache.MaxMirrorAge, the create is checked
+// at an auth state proven now when the proxy has an identity of its own,
+// and refused with Unavailable otherwise.
 func (g *Gate) AuthorizeWatch(ctx context.Context, key, rangeEnd []byte) error {
 	c := g.CallerOf(ctx)
 	chk, id, err := g.authFor(ctx, c, false)
+	if errors.Is(err, ErrMirrorStale) && g.hasIdentity() {
+		// A create on a stream the proxy serves cannot go to etcd alone:
+		// the auth state is proven now, as for a linearizable read.
+		chk, id, err = g.authFor(ctx, c, true)
+	}
 	switch {
 	case errors.Is(err, ErrAskEtcd):
 		return errAuthUnknown
@@ -462,14 +514,15 @@ func (g *Gate) AuthorizeWatch(ctx context.Context, key, rangeEnd []byte) error {
 }
 
 // RelayWatch reports whether a watch stream must be relayed to etcd whole:
-// its token is one the proxy cannot attribute, or the cache is off
-// (Forwarding).
+// its token is one the proxy cannot attribute, the cache is off
+// (Forwarding), or the mirror's state is too old to judge the stream's
+// caller and the stream can go to etcd as it came (staleAuth).
 func (g *Gate) RelayWatch(ctx context.Context) bool {
 	c := g.CallerOf(ctx)
 	switch {
 	case g.Forwarding():
 		return true
-	case c.Kind != TokenCaller:
+	case c.Kind == CertCaller:
 		return false
 	}
 	_, _, err := g.authFor(ctx, c, false)

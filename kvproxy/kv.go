@@ -162,8 +162,9 @@ type Gate interface {
 	// AuthorizeRead is etcd's permission check of a read of
 	// [key, rangeEnd) by the caller of ctx, linearizable or not: nil lets
 	// the store answer; gate.ErrAskEtcd sends the read to etcd, which
-	// judges the caller itself; another error is etcd's refusal, answered
-	// as it is.
+	// judges the caller itself (gate.ErrMirrorStale, when the gate's
+	// mirror of etcd's auth state is too old to judge it); another error
+	// is etcd's refusal, answered as it is.
 	AuthorizeRead(ctx context.Context, key, rangeEnd []byte, linearizable bool) error
 }
 

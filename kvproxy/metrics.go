@@ -33,6 +33,7 @@ const (
 
 	// Forwarded to etcd.
 	reasonAuth           reason = "auth"            // forwarded: carries a token, etcd checks it; rejected: etcd's permission refusal
+	reasonAuthStale      reason = "auth_stale"      // the auth mirror's state is older than authcache.MaxMirrorAge: etcd checks the caller
 	reasonInconsistent   reason = "inconsistent"    // the consistency check failed
 	reasonNotRetained    reason = "not_retained"    // older than the cache's history
 	reasonAhead          reason = "ahead"           // the cache did not reach the revision in time
@@ -96,7 +97,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 // TestRoute (TestRouteCoversEveryReason), and its series is resolved once.
 var reasons = []reason{
 	reasonLinearizable, reasonHistorical, reasonSerializable, reasonWaited,
-	reasonAuth, reasonInconsistent, reasonNotRetained, reasonAhead, reasonNotReady, reasonVersionUnknown, reasonRangeStream, reasonForwarding,
+	reasonAuth, reasonAuthStale, reasonInconsistent, reasonNotRetained, reasonAhead, reasonNotReady, reasonVersionUnknown, reasonRangeStream, reasonForwarding,
 	reasonLoading, reasonFreshTimeout, reasonFreshError,
 	reasonCompacted, reasonFuture, reasonOverload, reasonMemory,
 }

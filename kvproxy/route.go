@@ -104,6 +104,9 @@ func decide(r *pb.RangeRequest, st routeState) decision {
 	switch {
 	case errors.Is(st.auth, gate.ErrAskEtcd) && st.forwarding:
 		return forwardFor(reasonForwarding)
+	case errors.Is(st.auth, gate.ErrMirrorStale):
+		// The mirror is too old to judge the caller: etcd does.
+		return forwardFor(reasonAuthStale)
 	case errors.Is(st.auth, gate.ErrAskEtcd):
 		return forwardFor(reasonAuth)
 	case st.auth != nil:

@@ -314,6 +314,9 @@ func routeCases() []routeCase {
 		// Forwarded to etcd.
 		{name: "auth token", req: serializable("a", 0), auth: true,
 			action: forward, reason: reasonAuth},
+		{name: "auth mirror too old to judge the caller", req: serializable("a", 0),
+			setup:  func(_ *testing.T, e *routeEnv) { e.cfg.Gate = staleMirrorGate{} },
+			action: forward, reason: reasonAuthStale},
 		{name: "store found inconsistent", req: serializable("a", 0),
 			setup:  func(_ *testing.T, e *routeEnv) { e.cfg.Inconsistent = func() bool { return true } },
 			action: forward, reason: reasonInconsistent},
@@ -403,6 +406,15 @@ func routeCases() []routeCase {
 			timeout: 20 * time.Millisecond,
 			action:  refuse, reason: reasonMemory, err: errDeadline},
 	}
+}
+
+// staleMirrorGate is the gate while its mirror of etcd's auth state is
+// too old to judge any caller.
+type staleMirrorGate struct{}
+
+func (staleMirrorGate) Forwarding() bool { return false }
+func (staleMirrorGate) AuthorizeRead(context.Context, []byte, []byte, bool) error {
+	return gate.ErrMirrorStale
 }
 
 // errDeadline is etcd's answer to a request whose deadline passed.
@@ -780,6 +792,7 @@ func decideCases() []decideCase {
 	keysOnly := &pb.RangeRequest{Key: []byte("a"), KeysOnly: true, Serializable: true}
 	askEtcd := func(st *routeState) { st.auth = gate.ErrAskEtcd }
 	denied := func(st *routeState) { st.auth = rpctypes.ErrGRPCPermissionDenied }
+	mirrorStale := func(st *routeState) { st.auth = gate.ErrMirrorStale }
 	forwarding := func(st *routeState) { st.forwarding = true }
 	loading := func(st *routeState) { st.serving = false }
 	inconsistent := func(st *routeState) { st.inconsistent = true }
@@ -793,6 +806,8 @@ func decideCases() []decideCase {
 			want: forwardFor(reasonAuth)},
 		{name: "caller only etcd can judge, the cache off", req: key("a"), st: stateWith(askEtcd, forwarding),
 			want: forwardFor(reasonForwarding)},
+		{name: "auth mirror too old to judge the caller", req: wide, st: stateWith(mirrorStale, loading),
+			want: forwardFor(reasonAuthStale)},
 		{name: "caller refused", req: key("a"), st: denied,
 			want: refuseFor(reasonAuth, rpctypes.ErrGRPCPermissionDenied)},
 		{name: "caller refused, the cache off", req: key("a"), st: stateWith(denied, forwarding),

@@ -52,7 +52,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 		relayedStreams: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "etcd_snapcache_watch_relayed_streams_total",
-			Help: "Watch streams relayed to etcd because they carry an auth token.",
+			Help: "Watch streams relayed to etcd whole: a token the proxy cannot attribute, the cache off or inconsistent, or the proxy's auth state too old to judge the caller.",
 		}),
 		encoded: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "etcd_snapcache_watch_encoded_bytes",
