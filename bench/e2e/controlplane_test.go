@@ -72,6 +72,11 @@ var cpDefaultPhases = []string{"start-storm", "steady", "restart-all", "restart-
 // reconnect and resume their watches; then hands it over to a new process
 // (handover-proxy: SIGHUP, as the systemd unit's reload does), which
 // refuses no connection.
+// -snapcache.e2e.cp-phases selects the phases, and adds maintenance
+// phases (cpPhaseTable): what operators do to etcd and what fails in it
+// (rolling restarts, defrag, leadership moves, hung and lost members, a
+// cut link), on a 3-member etcd, under the steady load, on both sides:
+// what a control plane on the proxy goes through when etcd is maintained.
 // Per phase and side: etcd's CPU per second, resident memory and peak,
 // watchers and requests per second by method; the proxy's CPU and memory;
 // kube-apiserver's request latency per verb, its 5xx and 429 answers and
