@@ -112,7 +112,7 @@ func (cp *controlPlane) maintenance(b *testing.B, side string, def cpPhaseDef, l
 	var proxy0 counters
 	if side == "proxy" {
 		proxy0 = cp.proxyCounters(b)
-		cp.sampler.pollReady(cp.fronts())
+		cp.sampler.pollReady(cp.proxies)
 	}
 	start := time.Now()
 	ph.faultDesc = def.fault(cp, b, side)
@@ -128,12 +128,12 @@ func (cp *controlPlane) maintenance(b *testing.B, side string, def cpPhaseDef, l
 	return cp.end(b, ph, load)
 }
 
-// proxyCounters is what the proxies in front of the kube-apiservers
-// counted of their upstream so far: loads and reloads of the keyspace,
-// resumes of the watch.
+// proxyCounters is what every proxy (in a tiered topology, the inner
+// one's too) counted of its upstream so far: loads and reloads of the
+// keyspace, resumes of the watch.
 func (cp *controlPlane) proxyCounters(b *testing.B) counters {
 	c := counters{}
-	for _, p := range cp.fronts() {
+	for _, p := range cp.proxies {
 		m := p.metrics(b)
 		c["reloads"] += m.sum("etcd_snapcache_reloads_total")
 		c["loads"] += m.sum("etcd_snapcache_loads_total")
@@ -318,4 +318,45 @@ func faultCutConnection(cp *controlPlane, b *testing.B, _ string) string {
 	cp.sleep(b, cutFor)
 	m.relay.Flow()
 	return fmt.Sprintf("clients' connections to %s (%d open, %.0f watch streams on it) held up %v both ways", m.name, conns, streams, cutFor)
+}
+
+func TestCPSelectPhases(t *testing.T) {
+	got, err := cpSelectPhases(strings.Join(cpDefaultPhases, ","))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, p := range got {
+		if p.name != cpDefaultPhases[i] || p.fault != nil {
+			t.Errorf("default phase %d: %s (fault %v), want %s without a fault", i, p.name, p.fault != nil, cpDefaultPhases[i])
+		}
+	}
+	got, err = cpSelectPhases("steady, lost-member,defrag")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 3 || got[1].name != "lost-member" || got[1].fault == nil || got[2].name != "defrag" {
+		t.Errorf("selected %v", got)
+	}
+	if _, err := cpSelectPhases("steady,defrg"); err == nil {
+		t.Error("an unknown phase was accepted")
+	}
+}
+
+func TestErrorsByVerb(t *testing.T) {
+	c := counters{}
+	for _, line := range []string{
+		`apiserver_request_total{code="200",component="apiserver",resource="pods",verb="GET"} 100`,
+		`apiserver_request_total{code="504",component="apiserver",resource="pods",verb="GET"} 2`,
+		`apiserver_request_total{code="500",component="apiserver",resource="pods",verb="PUT"} 1`,
+		`apiserver_request_total{code="429",component="apiserver",resource="pods",verb="GET"} 3`,
+		`apiserver_request_total{code="503",component="apiserver",resource="",verb="GET"} 7`,
+	} {
+		c.addRequestSample(line)
+	}
+	if got, want := c.errorsByVerb(), "GET 429x3 504x2 PUT 500x1"; got != want {
+		t.Errorf("errorsByVerb = %q, want %q", got, want)
+	}
+	if got := (counters{}).errorsByVerb(); got != "-" {
+		t.Errorf("errorsByVerb of none = %q, want -", got)
+	}
 }

@@ -213,31 +213,38 @@ func (k *cpKube) scrape() (counters, error) {
 	sc := bufio.NewScanner(bytes.NewReader(body))
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
-		line := sc.Text()
-		var name string
-		switch {
-		case strings.HasPrefix(line, "apiserver_request_duration_seconds_bucket{"):
-			name = "bucket"
-		case strings.HasPrefix(line, "apiserver_request_total{"):
-			name = "total"
-		default:
-			continue
-		}
-		lbls, v, ok := parseSample(line)
-		if !ok || lbls["resource"] == "" {
-			continue // not an API request: /readyz, /metrics, ...
-		}
-		if name == "bucket" {
-			c[keyBucket+lbls["verb"]+"\x00"+lbls["le"]] += v
-		} else {
-			c[keyCode+lbls["code"]] += v
-			c[keyVerb+lbls["verb"]] += v
-			if code := lbls["code"]; strings.HasPrefix(code, "5") || code == "429" {
-				c[keyErr+lbls["verb"]+"\x00"+code] += v
-			}
-		}
+		c.addRequestSample(sc.Text())
 	}
 	return c, sc.Err()
+}
+
+// addRequestSample adds a line of kube-apiserver's /metrics to c if it is
+// a sample of an API request's counters (those of a resource): its
+// latency buckets by verb, its answers by code and by verb, and the 5xx
+// and 429 answers by verb and code.
+func (c counters) addRequestSample(line string) {
+	var name string
+	switch {
+	case strings.HasPrefix(line, "apiserver_request_duration_seconds_bucket{"):
+		name = "bucket"
+	case strings.HasPrefix(line, "apiserver_request_total{"):
+		name = "total"
+	default:
+		return
+	}
+	lbls, v, ok := parseSample(line)
+	if !ok || lbls["resource"] == "" {
+		return // not an API request: /readyz, /metrics, ...
+	}
+	if name == "bucket" {
+		c[keyBucket+lbls["verb"]+"\x00"+lbls["le"]] += v
+		return
+	}
+	c[keyCode+lbls["code"]] += v
+	c[keyVerb+lbls["verb"]] += v
+	if code := lbls["code"]; strings.HasPrefix(code, "5") || code == "429" {
+		c[keyErr+lbls["verb"]+"\x00"+code] += v
+	}
 }
 
 // parseSample parses a Prometheus text sample line: its labels and value.
