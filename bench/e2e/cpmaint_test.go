@@ -249,9 +249,36 @@ func (cp *controlPlane) hang(b *testing.B, m *etcdMember) {
 // faultHungLeader hangs the leader.
 func faultHungLeader(cp *controlPlane, b *testing.B, _ string) string {
 	l := cp.etcd.leader(b)
+	streams := cp.etcd.watchStreams(b)
 	cp.hang(b, l)
 	cp.etcd.waitHealthy(b, *cpTimeout)
-	return fmt.Sprintf("leader %s stopped %v; leader now %s", l.name, hangFor, cp.etcd.leader(b).name)
+	return fmt.Sprintf("leader %s stopped %v (watch streams %s); leader now %s", l.name, hangFor, streams, cp.etcd.leader(b).name)
+}
+
+// memberCounts is a count by member, as the fault lines give it.
+type memberCounts struct {
+	c *etcdCluster
+	n []float64
+}
+
+func (mc memberCounts) String() string {
+	var parts []string
+	for i, n := range mc.n {
+		parts = append(parts, fmt.Sprintf("%s %.0f", mc.c.members[i].name, n))
+	}
+	return strings.Join(parts, ", ")
+}
+
+// watchStreams is each member's watch streams
+// (etcd_debugging_mvcc_watch_stream_total, its own): where the side's
+// watches are, since neither the proxy nor kube-apiserver says which
+// member a watch is on.
+func (c *etcdCluster) watchStreams(tb testing.TB) memberCounts {
+	mc := memberCounts{c: c}
+	for _, m := range c.members {
+		mc.n = append(mc.n, m.metrics(tb).sum("etcd_debugging_mvcc_watch_stream_total"))
+	}
+	return mc
 }
 
 // faultHungWatchMember hangs the member that serves the side's watches:
@@ -263,20 +290,18 @@ func faultHungLeader(cp *controlPlane, b *testing.B, _ string) string {
 // member its watch is on (/proxy/status lists its endpoints alone), and
 // etcd's count says it for both sides alike.
 func faultHungWatchMember(cp *controlPlane, b *testing.B, _ string) string {
-	var pick *etcdMember
-	var streams []string
-	most := -1.0
-	for _, m := range cp.etcd.members {
-		n := m.metrics(b).sum("etcd_debugging_mvcc_watch_stream_total")
-		streams = append(streams, fmt.Sprintf("%s %.0f", m.name, n))
-		if n > most {
-			pick, most = m, n
+	streams := cp.etcd.watchStreams(b)
+	most := 0
+	for i, n := range streams.n {
+		if n > streams.n[most] {
+			most = i
 		}
 	}
+	pick := cp.etcd.members[most]
 	leader := cp.etcd.leader(b)
 	cp.hang(b, pick)
 	cp.etcd.waitHealthy(b, *cpTimeout)
-	return fmt.Sprintf("%s stopped %v (watch streams %s; it led: %v)", pick.name, hangFor, strings.Join(streams, ", "), pick == leader)
+	return fmt.Sprintf("%s stopped %v (watch streams %s; it led: %v)", pick.name, hangFor, streams, pick == leader)
 }
 
 // faultLostMember loses a follower with its disk and replaces it
@@ -312,12 +337,12 @@ func faultCutConnection(cp *controlPlane, b *testing.B, _ string) string {
 	conns := m.relay.Conns()
 	// Whether the side's watches are on it: through the proxy, the cut
 	// delays every event only if the proxy's upstream watch is.
-	streams := m.metrics(b).sum("etcd_debugging_mvcc_watch_stream_total")
+	streams := cp.etcd.watchStreams(b)
 	m.relay.Stall()
 	defer m.relay.Flow() // Flow again is a no-op
 	cp.sleep(b, cutFor)
 	m.relay.Flow()
-	return fmt.Sprintf("clients' connections to %s (%d open, %.0f watch streams on it) held up %v both ways", m.name, conns, streams, cutFor)
+	return fmt.Sprintf("clients' connections to %s (%d open) held up %v both ways (watch streams %s)", m.name, conns, cutFor, streams)
 }
 
 func TestCPSelectPhases(t *testing.T) {
