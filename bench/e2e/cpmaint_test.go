@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"slices"
@@ -110,9 +111,13 @@ func (cp *controlPlane) maintenance(b *testing.B, side string, def cpPhaseDef, l
 	ph := cp.begin(b, side, def.name)
 	ph.maint = true
 	var proxy0 counters
+	var logs []*logCursor
 	if side == "proxy" {
 		proxy0 = cp.proxyCounters(b)
 		cp.sampler.pollReady(cp.proxies)
+		for _, p := range cp.proxies {
+			logs = append(logs, newLogCursorAtEnd(p.logPath))
+		}
 	}
 	start := time.Now()
 	ph.faultDesc = def.fault(cp, b, side)
@@ -124,6 +129,21 @@ func (cp *controlPlane) maintenance(b *testing.B, side string, def cpPhaseDef, l
 		ph.proxyNotReady = cp.sampler.pollReady(nil)
 		ph.proxyEvents = cp.proxyCounters(b)
 		ph.proxyEvents.add(proxy0, -1)
+		// What the proxies warned of, why one reloaded first.
+		var warned []string
+		for _, lc := range logs {
+			for _, line := range lc.lines() {
+				if strings.Contains(line, `"level":"warn"`) || strings.Contains(line, `"level":"error"`) {
+					warned = append(warned, line[:min(len(line), 400)])
+				}
+			}
+		}
+		slices.SortStableFunc(warned, func(x, y string) int {
+			return cmp.Compare(btoi(!strings.Contains(x, "reload")), btoi(!strings.Contains(y, "reload")))
+		})
+		for _, line := range warned[:min(len(warned), 6)] {
+			ph.note("proxy log: " + line)
+		}
 	}
 	return cp.end(b, ph, load)
 }
@@ -136,6 +156,9 @@ func (cp *controlPlane) proxyCounters(b *testing.B) counters {
 	for _, p := range cp.proxies {
 		m := p.metrics(b)
 		c["reloads"] += m.sum("etcd_snapcache_reloads_total")
+		for reason, n := range byLabel(m, "etcd_snapcache_reloads_total", "reason") {
+			c["reload:"+reason] += n
+		}
 		c["loads"] += m.sum("etcd_snapcache_loads_total")
 		c["watch-restarts"] += m.sum("etcd_snapcache_upstream_watch_restarts_total")
 	}
@@ -384,4 +407,11 @@ func TestErrorsByVerb(t *testing.T) {
 	if got := (counters{}).errorsByVerb(); got != "-" {
 		t.Errorf("errorsByVerb of none = %q, want -", got)
 	}
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }

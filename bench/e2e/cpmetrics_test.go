@@ -590,26 +590,41 @@ type logCounts struct {
 	samples                                                       []string
 }
 
-// scan counts the log's complete lines since the last scan into c.
-func (lc *logCursor) scan(c *logCounts) {
+// newLogCursorAtEnd is a cursor at the end of the log at path now: its
+// lines from now on.
+func newLogCursorAtEnd(path string) *logCursor {
+	lc := &logCursor{path: path}
+	if st, err := os.Stat(path); err == nil {
+		lc.off = st.Size()
+	}
+	return lc
+}
+
+// lines returns the log's complete lines since the last read.
+func (lc *logCursor) lines() []string {
 	f, err := os.Open(lc.path)
 	if err != nil {
-		return
+		return nil
 	}
 	defer f.Close()
 	if _, err := f.Seek(lc.off, io.SeekStart); err != nil {
-		return
+		return nil
 	}
 	data, err := io.ReadAll(f)
 	if err != nil {
-		return
+		return nil
 	}
 	end := bytes.LastIndexByte(data, '\n')
 	if end < 0 {
-		return
+		return nil
 	}
 	lc.off += int64(end + 1)
-	for line := range strings.SplitSeq(string(data[:end]), "\n") {
+	return strings.Split(string(data[:end]), "\n")
+}
+
+// scan counts the log's complete lines since the last scan into c.
+func (lc *logCursor) scan(c *logCounts) {
+	for _, line := range lc.lines() {
 		c.count(line)
 	}
 }

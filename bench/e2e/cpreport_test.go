@@ -201,8 +201,15 @@ func (cp *controlPlane) report(b *testing.B, results []cpPhase) {
 			if a.maint {
 				proxy := ""
 				if side == "proxy" {
-					proxy = fmt.Sprintf("  proxy not ready %.1fs, keyspace reloads %.0f (loads %.0f), upstream watch resumes %.0f",
-						a.proxyNotReady, a.proxyEvents["reloads"], a.proxyEvents["loads"], a.proxyEvents["watch-restarts"])
+					var reasons []string
+					for k, n := range a.proxyEvents {
+						if r, ok := strings.CutPrefix(k, "reload:"); ok && n > 0 {
+							reasons = append(reasons, fmt.Sprintf(" %s %.0f", r, n))
+						}
+					}
+					slices.Sort(reasons)
+					proxy = fmt.Sprintf("  proxy not ready %.1fs, keyspace reloads %.0f%s (loads %.0f), upstream watch resumes %.0f",
+						a.proxyNotReady, a.proxyEvents["reloads"], strings.Join(reasons, ""), a.proxyEvents["loads"], a.proxyEvents["watch-restarts"])
 				}
 				fmt.Fprintf(&sb, "SUMMARY   %s fault: took %.1fs%s  kube errors by verb %s  informer relists %d watches %d  (%s)\n",
 					pad, median(a.fault), proxy, a.kube.errorsByVerb(), a.lists, a.watches, strings.Join(a.faults, "; "))
