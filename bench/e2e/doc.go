@@ -152,12 +152,15 @@
 //     proxy, the member of the proxy's upstream watch (the proxy does not
 //     say which member it is on, and its kube-apiservers reach no member);
 //     direct, the member of most of the kube-apiservers' watches.
-//     lost-member: a follower killed (SIGKILL) with its data, then
-//     replaced as operators do (`etcdctl member remove`, its data wiped,
-//     `etcdctl member add`, started with --initial-cluster-state=existing).
-//     cut-connection: the clients of the side (the kube-apiservers direct,
-//     the proxy's upstream connections through it) reach the last member
-//     through a TCP relay for the whole run when this phase is selected
+//     lost-member: a follower (not the one behind cut-connection's relay)
+//     killed (SIGKILL) with its data, then replaced as operators do
+//     (`etcdctl member remove`, its data wiped, `etcdctl member add`,
+//     started with --initial-cluster-state=existing). cut-connection: the
+//     clients of the side (the kube-apiservers direct, the proxy's
+//     upstream connections through it) reach the first member (where the
+//     proxy's upstream watch was in every smoke run; the fault line gives
+//     each member's watch streams) through a TCP relay for the whole run
+//     when this phase is selected
 //     (testsupport.Relay; the benchmark's own clients reach every member
 //     directly), and the relay holds up every byte both ways for 20 s
 //     without closing anything (Stall), as a link that drops every packet
