@@ -105,6 +105,9 @@ bench:
 # (bin/kubeload): start storm, steady state, restarts (about 15 minutes at
 # its default 100k objects; a smoke run: BENCH_E2E_FLAGS='-snapcache.e2e.cp-objects=5000
 # -snapcache.e2e.cp-apiservers=2 -snapcache.e2e.cp-steady=20s -snapcache.e2e.cp-settle=5s').
+# Its maintenance phases run on a 3-member etcd under the steady load, both
+# sides: BENCH_E2E_FLAGS=-snapcache.e2e.cp-phases=steady,rolling-restart,defrag,move-leader,hung-leader,hung-watch-member,lost-member,cut-connection
+# (any subset, in any order; -snapcache.e2e.cp-etcd-members sets the members).
 BENCH_TIMEOUT ?= 60m
 bench-e2e: build tools-etcd kubeload $(if $(findstring ControlPlane,$(BENCH)),tools-kube)
 	$(GO) test -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -count=1 -timeout $(BENCH_TIMEOUT) ./bench/e2e/ -args $(BENCH_E2E_FLAGS)

@@ -75,8 +75,15 @@ type side struct {
 // receive messages of any size, as clientv3's own calls do.
 func dial(tb testing.TB, endpoint string, tlsCfg *tls.Config, user, password string) *clientv3.Client {
 	tb.Helper()
+	return dialAll(tb, []string{endpoint}, tlsCfg, user, password)
+}
+
+// dialAll is dial to several endpoints: the members of a cluster, which
+// clientv3 balances over and fails over between.
+func dialAll(tb testing.TB, endpoints []string, tlsCfg *tls.Config, user, password string) *clientv3.Client {
+	tb.Helper()
 	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:   []string{endpoint},
+		Endpoints:   endpoints,
 		TLS:         tlsCfg,
 		Username:    user,
 		Password:    password,

@@ -37,6 +37,8 @@ var (
 	cpSides      = flag.String("snapcache.e2e.cp-sides", "direct,proxy", "the sides BenchmarkControlPlane runs, in its first round's order: direct, proxy, or both")
 	cpProxyFlags = flag.String("snapcache.e2e.cp-proxy-flags", "", "extra flags of every proxy of the proxy side (space-separated), e.g. --memory-limit=0 to compare a setting")
 	cpTimeout    = flag.Duration("snapcache.e2e.cp-timeout", 10*time.Minute, "bound of each wait: kube-apiservers ready, informers synced or caught up (populating: three times it)")
+	cpPhaseList  = flag.String("snapcache.e2e.cp-phases", strings.Join(cpDefaultPhases, ","), "the phases of each side's pass, in order (comma-separated): "+cpPhaseNames()+"; start-storm always runs first, as it brings the side up")
+	cpMembers    = flag.Int("snapcache.e2e.cp-etcd-members", 0, "etcd members, each a process of its own; 0: 3 if a maintenance phase is selected, else 1")
 )
 
 // kubeloadBinary is $KUBELOAD_BIN, else the load generator `make kubeload`
@@ -46,9 +48,10 @@ func kubeloadBinary(tb testing.TB) string {
 	return requireBinary(tb, "KUBELOAD_BIN", "../../bin/kubeload", "build it with `make kubeload`")
 }
 
-// cpPhases are the phases of a side's pass, in order.
-// restart-proxy and handover-proxy are the proxy side's alone.
-var cpPhases = []string{"start-storm", "steady", "restart-all", "restart-one", "restart-proxy", "handover-proxy"}
+// cpDefaultPhases are the phases of a side's pass unless
+// -snapcache.e2e.cp-phases says otherwise. restart-proxy and
+// handover-proxy are the proxy side's alone.
+var cpDefaultPhases = []string{"start-storm", "steady", "restart-all", "restart-one", "restart-proxy", "handover-proxy"}
 
 // BenchmarkControlPlane: a production control plane, -snapcache.e2e.cp-apiservers
 // unmodified kube-apiservers with their watch caches on (the default), in
@@ -69,6 +72,11 @@ var cpPhases = []string{"start-storm", "steady", "restart-all", "restart-one", "
 // reconnect and resume their watches; then hands it over to a new process
 // (handover-proxy: SIGHUP, as the systemd unit's reload does), which
 // refuses no connection.
+// -snapcache.e2e.cp-phases selects the phases, and adds maintenance
+// phases (cpPhaseTable): what operators do to etcd and what fails in it
+// (rolling restarts, defrag, leadership moves, hung and lost members, a
+// cut link), on a 3-member etcd, under the steady load, on both sides:
+// what a control plane on the proxy goes through when etcd is maintained.
 // Per phase and side: etcd's CPU per second, resident memory and peak,
 // watchers and requests per second by method; the proxy's CPU and memory;
 // kube-apiserver's request latency per verb, its 5xx and 429 answers and
@@ -83,7 +91,11 @@ func BenchmarkControlPlane(b *testing.B) {
 	if bin == "" {
 		b.Skip("no kube-apiserver binary: build it with `make tools-kube` (tools/build.sh kube), or set $KUBE_APISERVER_BIN")
 	}
-	cp := newControlPlane(b, bin, kubeloadBinary(b))
+	phases, err := cpSelectPhases(*cpPhaseList)
+	if err != nil {
+		b.Fatal(err)
+	}
+	cp := newControlPlane(b, bin, kubeloadBinary(b), phases)
 	cp.populate(b)
 
 	var results []cpPhase
@@ -93,7 +105,7 @@ func BenchmarkControlPlane(b *testing.B) {
 			slices.Reverse(sides)
 		}
 		for _, s := range sides {
-			results = append(results, cp.pass(b, s, r)...)
+			results = append(results, cp.pass(b, s, r, phases)...)
 		}
 	}
 	b.StopTimer()
@@ -103,7 +115,7 @@ func BenchmarkControlPlane(b *testing.B) {
 // controlPlane is etcd, the proxy in front of it, the kube-apiservers and
 // the load.
 type controlPlane struct {
-	etcd    *etcdProcess
+	etcd    *etcdCluster
 	pki     *mtlsPKI        // with -snapcache.e2e.tls: every hop is mTLS; else nil
 	tls     *tls.Config     // what the benchmark's own clients present (with pki)
 	proxies []*proxyProcess // started once the data is in, and kept running; the inner one first
@@ -124,7 +136,7 @@ type controlPlane struct {
 	profiles []cpProfile // the CPU profiles taken, in order
 }
 
-func newControlPlane(b *testing.B, kubeBin, loadBin string) *controlPlane {
+func newControlPlane(b *testing.B, kubeBin, loadBin string, phases []cpPhaseDef) *controlPlane {
 	cp := &controlPlane{kubeBin: kubeBin, loadBin: loadBin, dir: b.TempDir()}
 	var etcdArgs []string
 	if *cmpPprof {
@@ -145,8 +157,18 @@ func newControlPlane(b *testing.B, kubeBin, loadBin string) *controlPlane {
 		etcdArgs = append(etcdArgs, cp.pki.serving("etcd")...)
 		kubeTLS = cp.pki.kubeEtcd("anonymous")
 	}
-	cp.etcd = startEtcdTLS(b, cp.tls, etcdArgs...)
-	cp.loader = dial(b, cp.etcd.endpoint, cp.tls, "", "")
+	cp.etcd = startEtcdCluster(b, cpMemberCount(b, phases), cp.tls, etcdArgs...)
+	if slices.ContainsFunc(phases, func(p cpPhaseDef) bool { return p.name == "cut-connection" }) {
+		// The clients of both sides reach the first member through a
+		// relay for the whole run, so that cut-connection can cut them
+		// off it, and the benchmark's own clients reach it directly.
+		// The first: in the smoke runs the proxy's upstream watch was
+		// there every time, as were a third or more of the
+		// kube-apiservers' watches.
+		first := cp.etcd.members[0]
+		first.relay = testsupport.NewRelay(b, strings.TrimPrefix(strings.TrimPrefix(first.endpoint, "http://"), "https://"))
+	}
+	cp.loader = dialAll(b, cp.etcd.directEndpoints(), cp.tls, "", "")
 	cp.uts = exec.Command("unshare", "--uts", "--", "/bin/sh", "-c", "hostname kube-apiserver").Run() == nil
 	if !cp.uts {
 		b.Logf("no UTS namespaces (unshare --uts): the kube-apiservers share a hostname, so an identity Lease, and log errors about it")
@@ -259,9 +281,9 @@ func (cp *controlPlane) populate(b *testing.B) {
 		}
 		parts = append(parts, fmt.Sprintf("%d %s (%.1f KiB)", all.Count, r.name, float64(size)/float64(max(len(some.Kvs), 1))/1024))
 	}
-	db := cp.etcd.metrics(b).sum("etcd_mvcc_db_total_size_in_bytes")
-	cp.setup = fmt.Sprintf("%s; etcd db %.0f MiB at revision %d; %d objects written through %d kube-apiservers in %.0fs",
-		strings.Join(parts, ", "), db/(1<<20), head, res.Objects, len(cp.kubes), res.Secs)
+	db := cp.etcd.members[0].metrics(b).sum("etcd_mvcc_db_total_size_in_bytes")
+	cp.setup = fmt.Sprintf("%s; etcd (%d member(s)) db %.0f MiB at revision %d; %d objects written through %d kube-apiservers in %.0fs",
+		strings.Join(parts, ", "), len(cp.etcd.members), db/(1<<20), head, res.Objects, len(cp.kubes), res.Secs)
 	progress("setup: %s (%d errors %v); took %v", cp.setup, res.Errors, res.Samples, time.Since(start).Round(time.Second))
 	if res.Errors > 0 {
 		b.Fatalf("kubeload populate: %d errors: %v", res.Errors, res.Samples)
@@ -293,19 +315,19 @@ func (cp *controlPlane) startProxies(b *testing.B, head int64) {
 	b.Helper()
 	switch *cpTopology {
 	case "shared":
-		p := cp.startProxy(b, cp.etcd.endpoint)
+		p := cp.startProxy(b, cp.etcd.clientEndpoints())
 		cp.proxies = []*proxyProcess{p}
 		for range cp.kubes {
 			cp.front = append(cp.front, p)
 		}
 	case "sidecar":
 		for range cp.kubes {
-			p := cp.startProxy(b, cp.etcd.endpoint)
+			p := cp.startProxy(b, cp.etcd.clientEndpoints())
 			cp.proxies = append(cp.proxies, p)
 			cp.front = append(cp.front, p)
 		}
 	case "tiered":
-		inner := cp.startProxy(b, cp.etcd.endpoint)
+		inner := cp.startProxy(b, cp.etcd.clientEndpoints())
 		cp.proxies = []*proxyProcess{inner}
 		cp.waitProxies(b, head)
 		for range cp.kubes {
@@ -336,7 +358,7 @@ func (cp *controlPlane) endpoint(side string, k *cpKube) string {
 	if side == "proxy" {
 		return cp.front[k.idx].endpoint
 	}
-	return cp.etcd.endpoint
+	return cp.etcd.clientEndpoints()
 }
 
 // progress prints a line at once: a benchmark's log comes out when it ends.
@@ -382,16 +404,42 @@ func (cp *controlPlane) waitProxies(b *testing.B, rev int64) {
 }
 
 // pass runs the phases on one side: the kube-apiservers in front of etcd
-// ("direct") or of the proxy.
-func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
+// ("direct") or of the proxy. start-storm comes first whether it was
+// selected or not: it starts the kube-apiservers and the load that the
+// other phases run under; it is reported if selected.
+func (cp *controlPlane) pass(b *testing.B, side string, round int, phases []cpPhaseDef) []cpPhase {
 	head := cp.head(b)
 	cp.compact(b, head)
 	if side == "proxy" {
 		cp.waitProxies(b, head)
 	}
 	var out []cpPhase
+	storm, load := cp.startStorm(b, side, round)
+	if slices.ContainsFunc(phases, func(p cpPhaseDef) bool { return p.name == "start-storm" }) {
+		out = append(out, storm)
+	}
+	for _, p := range phases {
+		if p.name == "start-storm" || p.proxyOnly && side != "proxy" {
+			continue
+		}
+		if p.fault != nil {
+			out = append(out, cp.maintenance(b, side, p, load))
+		} else {
+			out = append(out, p.run(cp, b, side, load, round))
+		}
+	}
 
-	// All kube-apiservers starting at once, then the clients.
+	load.stop(b)
+	cp.load = nil
+	cp.stopKubes(b, cp.kubes, false)
+	return out
+}
+
+// startStorm is the start-storm phase: every kube-apiserver starting at
+// once, then the clients, until every informer has synced and caught up.
+// It returns the phase and the load, which runs on (resumed, if the storm
+// paused it).
+func (cp *controlPlane) startStorm(b *testing.B, side string, round int) (cpPhase, *kubeload) {
 	ph := cp.begin(b, side, "start-storm")
 	storm := cp.profileStorm(b, side, "start-storm", round)
 	cp.startKubes(b, side, cp.kubes)
@@ -407,32 +455,22 @@ func (cp *controlPlane) pass(b *testing.B, side string, round int) []cpPhase {
 		ph.note("barrier: " + r.Error)
 	}
 	ph.caughtUp = time.Since(ph.start)
-	out = append(out, cp.end(b, ph, load))
+	done := cp.end(b, ph, load)
 	// After the phase's end, so that the profile's length does not
 	// stretch the phase, and before the load resumes.
 	cp.waitStormProfile(storm)
 	cp.pauseLoad(b, load, false)
+	return done, load
+}
 
-	ph = cp.begin(b, side, "steady")
+// steady is the steady phase: the load alone, for -snapcache.e2e.cp-steady.
+func (cp *controlPlane) steady(b *testing.B, side string, load *kubeload, round int) cpPhase {
+	ph := cp.begin(b, side, "steady")
 	if *cmpPprof {
 		cp.profileSteady(b, load, side, "steady", round, ph.start, *cpSteady)
 	}
 	cp.hold(b, load, ph.start.Add(*cpSteady))
-	out = append(out, cp.end(b, ph, load))
-
-	cp.pauseLoad(b, load, true)
-	out = append(out, cp.restart(b, side, "restart-all", cp.kubes, load, round))
-	cp.pauseLoad(b, load, false)
-	out = append(out, cp.restart(b, side, "restart-one", cp.kubes[:1], load, round))
-	if side == "proxy" {
-		out = append(out, cp.restartProxy(b, load))
-		out = append(out, cp.handoverProxy(b, load))
-	}
-
-	load.stop(b)
-	cp.load = nil
-	cp.stopKubes(b, cp.kubes, false)
-	return out
+	return cp.end(b, ph, load)
 }
 
 // pauseLoad pauses (or resumes) the load's writes and reads, with
@@ -470,7 +508,7 @@ func (cp *controlPlane) restart(b *testing.B, side, name string, kubes []*cpKube
 // disk. The phase goes
 // on until it is ready, every kube-apiserver is ready, every informer has
 // caught up (a barrier) and -snapcache.e2e.cp-settle has passed.
-func (cp *controlPlane) restartProxy(b *testing.B, load *kubeload) cpPhase {
+func (cp *controlPlane) restartProxy(b *testing.B, _ string, load *kubeload, _ int) cpPhase {
 	ph := cp.begin(b, "proxy", "restart-proxy")
 	p := cp.front[0]
 	// The stopped process's CPU and Ranges so far leave the phase's
@@ -489,7 +527,7 @@ func (cp *controlPlane) restartProxy(b *testing.B, load *kubeload) cpPhase {
 // first kube-apiserver hands over to a new process of it (SIGHUP) under
 // load. The old process's CPU after the phase began is not counted: it
 // has exited when the phase ends. The phase goes on as restartProxy's.
-func (cp *controlPlane) handoverProxy(b *testing.B, load *kubeload) cpPhase {
+func (cp *controlPlane) handoverProxy(b *testing.B, _ string, load *kubeload, _ int) cpPhase {
 	ph := cp.begin(b, "proxy", "handover-proxy")
 	p := cp.front[0]
 	ph.proxyCPU0 -= processCPU(b, p.pid())
@@ -547,7 +585,7 @@ func (cp *controlPlane) hold(b *testing.B, load *kubeload, end time.Time) {
 
 func (cp *controlPlane) checkAlive(b *testing.B, load *kubeload) {
 	b.Helper()
-	cs := []*child{cp.etcd.child}
+	cs := cp.etcd.children()
 	for _, p := range cp.proxies {
 		cs = append(cs, p.child)
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net/http"
 	"os"
 	"slices"
 	"sort"
@@ -30,7 +31,8 @@ type cpPhase struct {
 
 	etcdCPU0, proxyCPU0 time.Duration
 	loadCPU0            time.Duration
-	etcd0               metricSet
+	memberCPU0          []time.Duration
+	etcdReqs0           map[string]float64
 	cached0, forwarded0 float64
 
 	etcdCPU, proxyCPU     time.Duration
@@ -43,6 +45,16 @@ type cpPhase struct {
 	kube                  counters           // every kube-apiserver's request counters
 	load                  loadReport
 	logs                  logCounts
+	memberCPU             []time.Duration // etcdCPU by member
+
+	// A maintenance phase's (maint): what the fault did and how long it
+	// took; on the proxy side, how long a proxy was not ready, and its
+	// upstream's counters (proxyCounters).
+	maint         bool
+	faultDesc     string
+	fault         time.Duration
+	proxyNotReady time.Duration
+	proxyEvents   counters
 }
 
 func (p *cpPhase) note(s string) { p.notes = append(p.notes, s) }
@@ -63,16 +75,19 @@ func (cp *controlPlane) begin(b *testing.B, side, name string) *cpPhase {
 			k.base = m
 		}
 	}
-	clearPeak(cp.etcd.cmd.Process.Pid)
+	for _, pid := range cp.etcd.pids() {
+		clearPeak(pid)
+	}
 	for _, p := range cp.proxies {
 		clearPeak(p.cmd.Process.Pid)
 	}
 	cp.sampler.reset()
-	ph.etcdCPU0, ph.proxyCPU0 = processCPU(b, cp.etcd.pid()), cp.proxiesCPU(b)
+	ph.memberCPU0 = cp.etcd.memberCPU()
+	ph.etcdCPU0, ph.proxyCPU0 = sumDurations(ph.memberCPU0), cp.proxiesCPU(b)
 	if cp.load != nil {
 		ph.loadCPU0, _ = cpuOf(cp.load.cmd.Process.Pid)
 	}
-	ph.etcd0 = cp.etcd.metrics(b)
+	ph.etcdReqs0 = cp.etcd.reqs(b)
 	ph.cached0, ph.forwarded0 = cp.proxiesRanges(b)
 	ph.start = time.Now()
 	progress("%s %s: begins", side, name)
@@ -87,22 +102,24 @@ func (cp *controlPlane) end(b *testing.B, ph *cpPhase, load *kubeload) cpPhase {
 		ph.load = *r.Report
 	}
 	ph.secs = time.Since(ph.start).Seconds()
-	ph.etcdCPU = processCPU(b, cp.etcd.pid()) - ph.etcdCPU0
+	for i, d := range cp.etcd.memberCPU() {
+		ph.memberCPU = append(ph.memberCPU, d-ph.memberCPU0[i])
+	}
+	ph.etcdCPU = sumDurations(ph.memberCPU)
 	ph.proxyCPU = cp.proxiesCPU(b) - ph.proxyCPU0
 	if d, err := cpuOf(load.cmd.Process.Pid); err == nil {
 		ph.loadCPU = d - ph.loadCPU0
 	}
-	em := cp.etcd.metrics(b)
-	ph.etcdReqs = byLabel(em, "grpc_server_handled_total", "grpc_method")
-	for m, v := range byLabel(ph.etcd0, "grpc_server_handled_total", "grpc_method") {
+	ph.etcdReqs = cp.etcd.reqs(b)
+	for m, v := range ph.etcdReqs0 {
 		ph.etcdReqs[m] -= v
 	}
-	ph.watchers = em.sum("etcd_debugging_mvcc_watcher_total")
+	ph.watchers = cp.etcd.metrics(b).sum("etcd_debugging_mvcc_watcher_total")
 	cached, forwarded := cp.proxiesRanges(b)
 	ph.cached, ph.forwarded = cached-ph.cached0, forwarded-ph.forwarded0
 	etcdMax, proxyMax, watchersMax := cp.sampler.take()
 	ph.watchersMax = max(watchersMax, ph.watchers)
-	ph.etcdRSS, ph.etcdPeak = memOf(cp.etcd.cmd.Process.Pid)
+	ph.etcdRSS, ph.etcdPeak = cp.etcd.mem()
 	for _, p := range cp.proxies {
 		rss, peak := memOf(p.cmd.Process.Pid)
 		ph.proxyRSS += rss
@@ -126,6 +143,14 @@ func (cp *controlPlane) end(b *testing.B, ph *cpPhase, load *kubeload) cpPhase {
 	progress("%s %s: %.1fs, etcd cpu %.2f s/s, peak rss %.0f MiB, watchers %.0f; informer delay p99 %.0f ms; kube-apiserver log errors %d relists %d",
 		ph.side, ph.name, ph.secs, ph.etcdCPU.Seconds()/ph.secs, inMiB(ph.etcdPeak), ph.watchers, ph.load.Delay.P99, ph.logs.errors, ph.logs.relists)
 	return *ph
+}
+
+func sumDurations(ds []time.Duration) time.Duration {
+	var sum time.Duration
+	for _, d := range ds {
+		sum += d
+	}
+	return sum
 }
 
 // proxiesCPU is the CPU time every proxy has used.
@@ -172,6 +197,7 @@ const (
 	keyBucket = "bucket\x00" // + verb + "\x00" + le: apiserver_request_duration_seconds_bucket
 	keyCode   = "code\x00"   // + code: apiserver_request_total
 	keyVerb   = "verb\x00"   // + verb: apiserver_request_total
+	keyErr    = "err\x00"    // + verb + "\x00" + code: apiserver_request_total answered 5xx or 429
 )
 
 // scrape reads a kube-apiserver's request counters from its /metrics: its
@@ -187,28 +213,38 @@ func (k *cpKube) scrape() (counters, error) {
 	sc := bufio.NewScanner(bytes.NewReader(body))
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
-		line := sc.Text()
-		var name string
-		switch {
-		case strings.HasPrefix(line, "apiserver_request_duration_seconds_bucket{"):
-			name = "bucket"
-		case strings.HasPrefix(line, "apiserver_request_total{"):
-			name = "total"
-		default:
-			continue
-		}
-		lbls, v, ok := parseSample(line)
-		if !ok || lbls["resource"] == "" {
-			continue // not an API request: /readyz, /metrics, ...
-		}
-		if name == "bucket" {
-			c[keyBucket+lbls["verb"]+"\x00"+lbls["le"]] += v
-		} else {
-			c[keyCode+lbls["code"]] += v
-			c[keyVerb+lbls["verb"]] += v
-		}
+		c.addRequestSample(sc.Text())
 	}
 	return c, sc.Err()
+}
+
+// addRequestSample adds a line of kube-apiserver's /metrics to c if it is
+// a sample of an API request's counters (those of a resource): its
+// latency buckets by verb, its answers by code and by verb, and the 5xx
+// and 429 answers by verb and code.
+func (c counters) addRequestSample(line string) {
+	var name string
+	switch {
+	case strings.HasPrefix(line, "apiserver_request_duration_seconds_bucket{"):
+		name = "bucket"
+	case strings.HasPrefix(line, "apiserver_request_total{"):
+		name = "total"
+	default:
+		return
+	}
+	lbls, v, ok := parseSample(line)
+	if !ok || lbls["resource"] == "" {
+		return // not an API request: /readyz, /metrics, ...
+	}
+	if name == "bucket" {
+		c[keyBucket+lbls["verb"]+"\x00"+lbls["le"]] += v
+		return
+	}
+	c[keyCode+lbls["code"]] += v
+	c[keyVerb+lbls["verb"]] += v
+	if code := lbls["code"]; strings.HasPrefix(code, "5") || code == "429" {
+		c[keyErr+lbls["verb"]+"\x00"+code] += v
+	}
 }
 
 // parseSample parses a Prometheus text sample line: its labels and value.
@@ -329,34 +365,79 @@ func (c counters) codes() (fivexx, tooMany float64) {
 	return
 }
 
+// errorsByVerb is c's requests answered 5xx or 429 by verb and code
+// ("GET 504x2 LIST 429x1"; 504 is kube-apiserver's timeout), or "-".
+func (c counters) errorsByVerb() string {
+	var keys []string
+	for k, n := range c {
+		if _, ok := strings.CutPrefix(k, keyErr); ok && n > 0 {
+			keys = append(keys, k)
+		}
+	}
+	slices.Sort(keys)
+	var parts []string
+	last := ""
+	for _, k := range keys {
+		verb, code, _ := strings.Cut(strings.TrimPrefix(k, keyErr), "\x00")
+		if verb != last {
+			parts = append(parts, verb)
+			last = verb
+		}
+		parts = append(parts, fmt.Sprintf("%sx%.0f", code, c[k]))
+	}
+	if len(parts) == 0 {
+		return "-"
+	}
+	return strings.Join(parts, " ")
+}
+
 // sampler samples etcd's and the proxy's resident memory (every 250 ms) and
 // etcd's watchers (every 2 s) for the phases' maxima.
 type sampler struct {
 	mu                sync.Mutex
-	etcdPid           int
+	etcdPids          []int // every member's
 	proxyPids         []int
 	etcdMax, proxyMax int64
 	watchersMax       float64
-	metricsURL        string
+	metricsURLs       []string // every member's /metrics
+	readyURLs         []string // the /readyz polled, if any (pollReady)
+	notReady          time.Duration
 }
 
 func startSampler(b *testing.B, cp *controlPlane) *sampler {
-	s := &sampler{etcdPid: cp.etcd.cmd.Process.Pid, metricsURL: cp.etcd.metricsURL + "/metrics"}
+	s := &sampler{etcdPids: cp.etcd.pids()}
+	for _, m := range cp.etcd.members {
+		s.metricsURLs = append(s.metricsURLs, m.metricsURL+"/metrics")
+	}
 	stop, done := make(chan struct{}), make(chan struct{})
 	go func() {
 		defer close(done)
 		t := time.NewTicker(250 * time.Millisecond)
 		defer t.Stop()
+		last := time.Now()
 		for i := 0; ; i++ {
 			select {
 			case <-stop:
 				return
 			case <-t.C:
 			}
+			now := time.Now()
+			since := now.Sub(last)
+			last = now
 			s.mu.Lock()
-			ep, pps := s.etcdPid, s.proxyPids
+			eps, pps, readys := s.etcdPids, s.proxyPids, s.readyURLs
 			s.mu.Unlock()
-			e, _ := memOf(ep)
+			e := int64(0) // every member's
+			for _, ep := range eps {
+				r, _ := memOf(ep)
+				e += r
+			}
+			ready := true
+			for _, u := range readys {
+				if _, err := getURL(samplerHTTP, u); err != nil {
+					ready = false
+				}
+			}
 			p := int64(0) // every proxy's
 			for _, pp := range pps {
 				r, _ := memOf(pp)
@@ -364,22 +445,62 @@ func startSampler(b *testing.B, cp *controlPlane) *sampler {
 			}
 			w := -1.0
 			if i%8 == 0 {
-				if body, err := httpGet(s.metricsURL); err == nil {
-					w = 0
+				w = 0
+				for _, u := range s.metricsURLs {
+					body, err := getURL(samplerHTTP, u)
+					if err != nil {
+						w = -1 // a member stopped, say: no sum this time
+						break
+					}
 					for line := range strings.SplitSeq(string(body), "\n") {
 						if rest, ok := strings.CutPrefix(line, "etcd_debugging_mvcc_watcher_total "); ok {
-							w, _ = strconv.ParseFloat(strings.TrimSpace(rest), 64)
+							n, _ := strconv.ParseFloat(strings.TrimSpace(rest), 64)
+							w += n
 						}
 					}
 				}
 			}
 			s.mu.Lock()
+			if !ready && len(s.readyURLs) > 0 {
+				s.notReady += since // the wall time since the last poll: a slow scrape delays the next
+			}
 			s.etcdMax, s.proxyMax, s.watchersMax = max(s.etcdMax, e), max(s.proxyMax, p), max(s.watchersMax, w)
 			s.mu.Unlock()
 		}
 	}()
 	b.Cleanup(func() { close(stop); <-done })
 	return s
+}
+
+// samplerHTTP is the sampler's client: a member stopped by a hung-* phase
+// must not hold its polls up for long.
+var samplerHTTP = &http.Client{
+	Timeout:   2 * time.Second,
+	Transport: &http.Transport{DisableKeepAlives: true},
+}
+
+// setEtcd points the sampler at the members' processes, after a
+// maintenance phase started new ones.
+func (s *sampler) setEtcd(pids []int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.etcdPids = pids
+}
+
+// pollReady polls the /readyz of proxies from now on, every tick, counting
+// the ticks when one was not ready, and returns how long that was since
+// the last call; nil stops polling. A maintenance phase polls, the others
+// do not: their load stays what it was.
+func (s *sampler) pollReady(proxies []*proxyProcess) time.Duration {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.readyURLs = nil
+	for _, p := range proxies {
+		s.readyURLs = append(s.readyURLs, p.metricsURL+"/readyz")
+	}
+	d := s.notReady
+	s.notReady = 0
+	return d
 }
 
 func (s *sampler) setProxies(pids []int) {
@@ -469,26 +590,41 @@ type logCounts struct {
 	samples                                                       []string
 }
 
-// scan counts the log's complete lines since the last scan into c.
-func (lc *logCursor) scan(c *logCounts) {
+// newLogCursorAtEnd is a cursor at the end of the log at path now: its
+// lines from now on.
+func newLogCursorAtEnd(path string) *logCursor {
+	lc := &logCursor{path: path}
+	if st, err := os.Stat(path); err == nil {
+		lc.off = st.Size()
+	}
+	return lc
+}
+
+// lines returns the log's complete lines since the last read.
+func (lc *logCursor) lines() []string {
 	f, err := os.Open(lc.path)
 	if err != nil {
-		return
+		return nil
 	}
 	defer f.Close()
 	if _, err := f.Seek(lc.off, io.SeekStart); err != nil {
-		return
+		return nil
 	}
 	data, err := io.ReadAll(f)
 	if err != nil {
-		return
+		return nil
 	}
 	end := bytes.LastIndexByte(data, '\n')
 	if end < 0 {
-		return
+		return nil
 	}
 	lc.off += int64(end + 1)
-	for line := range strings.SplitSeq(string(data[:end]), "\n") {
+	return strings.Split(string(data[:end]), "\n")
+}
+
+// scan counts the log's complete lines since the last scan into c.
+func (lc *logCursor) scan(c *logCounts) {
+	for _, line := range lc.lines() {
 		c.count(line)
 	}
 }

@@ -82,7 +82,7 @@ func (cp *controlPlane) waitProfile(r *profileRun) {
 func (cp *controlPlane) profileSteady(b *testing.B, load *kubeload, side, phase string, round int, start time.Time, phaseLen time.Duration) {
 	secs := min(cpProfileSecs, max(int(phaseLen.Seconds()), 1))
 	cp.hold(b, load, start.Add(max(phaseLen/2-time.Duration(secs)*time.Second/2, 0)))
-	runs := []*profileRun{cp.startProfile(b, "etcd", cp.etcd.endpoint, side, phase, round, secs)}
+	runs := []*profileRun{cp.startProfile(b, "etcd", cp.etcd.members[0].endpoint, side, phase, round, secs)}
 	if side == "proxy" {
 		runs = append(runs, cp.startProfile(b, "proxy", cp.proxies[0].endpoint, side, phase, round, secs))
 	}
@@ -97,7 +97,7 @@ func (cp *controlPlane) profileStorm(b *testing.B, side, phase string, round int
 	if !*cmpPprof {
 		return nil
 	}
-	return cp.startProfile(b, "etcd", cp.etcd.endpoint, side, phase, round, cpStormProfileSecs)
+	return cp.startProfile(b, "etcd", cp.etcd.members[0].endpoint, side, phase, round, cpStormProfileSecs)
 }
 
 // waitStormProfile waits for a storm's profile, if one was started.

@@ -36,6 +36,14 @@ type cpAgg struct {
 	logs                logCounts
 	notes               []string
 	loadErrs            []string
+	memberCPU           []float64 // etcdCPU by member, seconds
+
+	// Maintenance phases' (cpPhase.maint).
+	maint         bool
+	faults        []string
+	fault         []float64 // seconds
+	proxyNotReady float64   // seconds, in all
+	proxyEvents   counters
 }
 
 type cpOpAgg struct {
@@ -94,6 +102,19 @@ func aggregate(phs []cpPhase) *cpAgg {
 		}
 		a.logs.add(p.logs)
 		a.notes = append(a.notes, p.notes...)
+		for i, d := range p.memberCPU {
+			if i == len(a.memberCPU) {
+				a.memberCPU = append(a.memberCPU, 0)
+			}
+			a.memberCPU[i] += d.Seconds()
+		}
+		if p.maint {
+			a.maint = true
+			a.faults = append(a.faults, p.faultDesc)
+			a.fault = append(a.fault, p.fault.Seconds())
+			a.proxyNotReady += p.proxyNotReady.Seconds()
+			a.proxyEvents.add(p.proxyEvents, 1)
+		}
 		a.loadErrs = append(a.loadErrs, l.Errors...)
 	}
 	return a
@@ -116,7 +137,13 @@ func (cp *controlPlane) report(b *testing.B, results []cpPhase) {
 		bname, len(cp.kubes), shared, *cpNodes, *cpInformers, map[bool]string{true: " (watch-list)"}[*cpWatchList], *cpRate,
 		map[bool]string{true: "on in every phase", false: "paused in start-storm and restart-all"}[*cpStormLoad], *cpTopology, cp.proxiesDesc(),
 		map[bool]string{true: "mTLS", false: "plaintext"}[cp.pki != nil], *cpRounds, cp.setup)
-	for _, name := range cpPhases {
+	var names []string // in the order they ran
+	for _, p := range results {
+		if !slices.Contains(names, p.name) {
+			names = append(names, p.name)
+		}
+	}
+	for _, name := range names {
 		sides := map[string]*cpAgg{}
 		for _, side := range []string{"direct", "proxy"} {
 			var phs []cpPhase
@@ -161,8 +188,32 @@ func (cp *controlPlane) report(b *testing.B, results []cpPhase) {
 				continue
 			}
 			pad := map[string]string{"direct": "direct", "proxy": "proxy "}[side]
-			fmt.Fprintf(&sb, "SUMMARY   %s etcd : cpu %.3f s/s  rss %.0f MiB (peak %.0f)  watchers %.0f (max %.0f)  req/s %s\n",
-				pad, a.etcdCPUps(), inMiB(a.etcdRSS), inMiB(a.etcdPeak), a.watchers, a.watchersMax, fmtReqs(a.reqs, a.secs))
+			byMember := ""
+			if len(a.memberCPU) > 1 {
+				var cpus []string
+				for _, c := range a.memberCPU {
+					cpus = append(cpus, fmt.Sprintf("%.3f", c/a.secs))
+				}
+				byMember = fmt.Sprintf(" (by member %s)", strings.Join(cpus, "/"))
+			}
+			fmt.Fprintf(&sb, "SUMMARY   %s etcd : cpu %.3f s/s%s  rss %.0f MiB (peak %.0f)  watchers %.0f (max %.0f)  req/s %s\n",
+				pad, a.etcdCPUps(), byMember, inMiB(a.etcdRSS), inMiB(a.etcdPeak), a.watchers, a.watchersMax, fmtReqs(a.reqs, a.secs))
+			if a.maint {
+				proxy := ""
+				if side == "proxy" {
+					var reasons []string
+					for k, n := range a.proxyEvents {
+						if r, ok := strings.CutPrefix(k, "reload:"); ok && n > 0 {
+							reasons = append(reasons, fmt.Sprintf(" %s %.0f", r, n))
+						}
+					}
+					slices.Sort(reasons)
+					proxy = fmt.Sprintf("  proxy not ready %.1fs, keyspace reloads %.0f%s (loads %.0f), upstream watch resumes %.0f",
+						a.proxyNotReady, a.proxyEvents["reloads"], strings.Join(reasons, ""), a.proxyEvents["loads"], a.proxyEvents["watch-restarts"])
+				}
+				fmt.Fprintf(&sb, "SUMMARY   %s fault: took %.1fs%s  kube errors by verb %s  informer relists %d watches %d  (%s)\n",
+					pad, median(a.fault), proxy, a.kube.errorsByVerb(), a.lists, a.watches, strings.Join(a.faults, "; "))
+			}
 			if side == "proxy" {
 				cache := ""
 				if a.cached+a.forwarded > 0 {

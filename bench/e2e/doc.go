@@ -129,11 +129,59 @@
 //     ready and every informer has seen a barrier written after it (a token
 //     on an object of each resource), then -snapcache.e2e.cp-settle (20s). A
 //     kube-apiserver stopped (SIGTERM) with watches open exits only when
-//     killed, 15 s later, as kubelet kills it after its grace period. Per
-//     phase and side (SUMMARY lines): etcd's CPU per second, resident memory
+//     killed, 15 s later, as kubelet kills it after its grace period.
+//     -snapcache.e2e.cp-phases selects the phases and their order (the
+//     default: the six above; start-storm always runs first, as it brings
+//     the side up, and is reported only if listed), and adds maintenance
+//     phases: what operators do to etcd, and what fails in it, under the
+//     steady load, on both sides alike. They need several members:
+//     -snapcache.e2e.cp-etcd-members (by default 3 when a maintenance
+//     phase is selected, else 1, as before) starts etcd as that many
+//     processes with a static --initial-cluster on loopback; the
+//     kube-apiservers direct get every member in --etcd-servers, the
+//     proxies every member in --endpoints. rolling-restart: each member in
+//     turn stopped (SIGTERM) and started again on its data, the next once
+//     every member answers Status with one leader. defrag: 200 keys of 64
+//     KiB in a prefix no one reads written, deleted and compacted, which
+//     leaves free pages, then `etcdctl defrag` against each member alone,
+//     in turn. move-leader: `etcdctl move-leader` three times, 5 s apart,
+//     each time to the next member. hung-leader: the leader stopped
+//     (SIGSTOP) for 15 s, then continued (SIGCONT). hung-watch-member: the
+//     same for the member with the most watch streams
+//     (etcd_debugging_mvcc_watch_stream_total, each member's): through the
+//     proxy, the member of the proxy's upstream watch (the proxy does not
+//     say which member it is on, and its kube-apiservers reach no member);
+//     direct, the member of most of the kube-apiservers' watches.
+//     lost-member: a follower (not the one behind cut-connection's relay)
+//     killed (SIGKILL) with its data, then replaced as operators do
+//     (`etcdctl member remove`, its data wiped, `etcdctl member add`,
+//     started with --initial-cluster-state=existing). cut-connection: the
+//     clients of the side (the kube-apiservers direct, the proxy's
+//     upstream connections through it) reach the first member (where the
+//     proxy's upstream watch was in every smoke run; the fault line gives
+//     each member's watch streams) through a TCP relay for the whole run
+//     when this phase is selected
+//     (testsupport.Relay; the benchmark's own clients reach every member
+//     directly), and the relay holds up every byte both ways for 20 s
+//     without closing anything (Stall), as a link that drops every packet
+//     does, then lets them through. A maintenance phase lasts until the
+//     fault is undone and the cluster healthy, then as a restart phase:
+//     until every kube-apiserver is ready and every informer has caught
+//     up, then -snapcache.e2e.cp-settle. Its SUMMARY has a "fault" line
+//     beside the others: what was done and how long it took, the
+//     kube-apiservers' 5xx and 429 answers by verb and code (504: their
+//     timeouts), the informers' lists (relists) and watches (each a watch
+//     stream that ended and was resumed), and on the proxy side how long a
+//     proxy's /readyz (polled every 250 ms in maintenance phases only) was
+//     not 200 and how many times a proxy reloaded the keyspace or resumed
+//     its upstream watch (etcd_snapcache_reloads_total, _loads_total,
+//     _upstream_watch_restarts_total). Per phase and side (SUMMARY
+//     lines): etcd's CPU per second, resident memory
 //     (VmRSS) and its peak in the phase (VmHWM after clear_refs, and a 250ms
 //     sampler), etcd_debugging_mvcc_watcher_total, and etcd's requests per
-//     second by gRPC method (grpc_server_handled_total); the proxy's own CPU
+//     second by gRPC method (grpc_server_handled_total), each summed over
+//     the members and the processes a member had in the phase (with
+//     several members, the CPU by member too); the proxy's own CPU
 //     and memory; the kube-apiservers' CPU per second and their request
 //     latency p50/p99 per verb (their apiserver_request_duration_seconds,
 //     summed over every kube-apiserver and generation), its 5xx and 429
@@ -292,6 +340,7 @@
 //	make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical|KubeList' BENCHTIME=1x BENCH_E2E_FLAGS=-snapcache.e2e.tls
 //	make bench-e2e BENCH=ControlPlane
 //	make bench-e2e BENCH=ControlPlane BENCH_E2E_FLAGS=-snapcache.e2e.tls
+//	make bench-e2e BENCH=ControlPlane BENCH_E2E_FLAGS=-snapcache.e2e.cp-phases=steady,rolling-restart,defrag,move-leader,hung-leader,hung-watch-member,lost-member,cut-connection
 //
 // Flags: the throughput benchmarks' -snapcache.e2e.rounds, .round,
 // .maxops, .conns, .op-timeout, .auth, .tls, .get-clients, .get-keys,
@@ -300,7 +349,8 @@
 // .kube-objects, .kube-value, .kube-clients, .kube-page;
 // BenchmarkControlPlane's -snapcache.e2e.cp-objects, .cp-apiservers,
 // .cp-nodes, .cp-informers, .cp-steady, .cp-settle, .cp-rounds, .cp-rate,
-// .cp-watchlist, .cp-storm-load, .cp-topology, .cp-timeout (and .pprof,
+// .cp-watchlist, .cp-storm-load, .cp-topology, .cp-sides, .cp-proxy-flags,
+// .cp-phases, .cp-etcd-members, .cp-timeout (and .pprof,
 // .tls); BenchmarkQuietCluster's -snapcache.e2e.quiet-keys, .quiet-value,
 // .quiet-streams, .quiet-prefixes, .quiet-prevkv, .quiet-write-rate, .quiet-write-value,
 // .quiet-window, .quiet-rounds (and .pprof); BenchmarkHistoryMemory's
@@ -314,5 +364,5 @@
 // .auth, .tls, .pprof). $ETCD_BIN
 // overrides the etcd binary, $SNAPCACHE_BIN the proxy's,
 // $KUBE_APISERVER_BIN kube-apiserver's, $KUBELOAD_BIN the load
-// generator's.
+// generator's, $ETCDCTL_BIN etcdctl's (the maintenance phases).
 package e2e

@@ -98,39 +98,7 @@ func startEtcd(tb testing.TB, extra ...string) *etcdProcess {
 // flags. Its metrics are then served in plaintext on a port of their own.
 func startEtcdTLS(tb testing.TB, clientTLS *tls.Config, extra ...string) *etcdProcess {
 	tb.Helper()
-	ports := testsupport.FreePorts(tb, 3)
-	client := fmt.Sprintf("http://127.0.0.1:%d", ports[0])
-	metrics := client
-	var tlsArgs []string
-	if clientTLS != nil {
-		client = fmt.Sprintf("https://127.0.0.1:%d", ports[0])
-		metrics = fmt.Sprintf("http://127.0.0.1:%d", ports[2])
-		tlsArgs = []string{"--listen-metrics-urls=" + metrics}
-	}
-	peer := fmt.Sprintf("http://127.0.0.1:%d", ports[1])
-	dir := tb.TempDir()
-	args := append(append([]string{
-		"--name=bench",
-		"--data-dir=" + filepath.Join(dir, "data"),
-		"--listen-client-urls=" + client, "--advertise-client-urls=" + client,
-		"--listen-peer-urls=" + peer, "--initial-advertise-peer-urls=" + peer,
-		"--initial-cluster=bench=" + peer,
-		"--unsafe-no-fsync",
-		"--quota-backend-bytes=8589934592",
-		"--log-level=warn",
-	}, tlsArgs...), extra...)
-	e := &etcdProcess{child: startChild(tb, "etcd", dir, etcdBinary(tb), args), endpoint: client, metricsURL: metrics}
-	cli := dial(tb, client, clientTLS, "", "")
-	testsupport.Poll(tb, startTimeout, 50*time.Millisecond, "etcd to serve", func() (bool, error) {
-		if err := e.alive(); err != nil {
-			tb.Fatal(err)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		_, err := cli.Get(ctx, "health")
-		return err == nil, err
-	})
-	return e
+	return startEtcdCluster(tb, 1, clientTLS, extra...).members[0].etcdProcess
 }
 
 // rssBytes is the etcd process's resident memory (VmRSS), or 0 if unknown.

@@ -264,7 +264,12 @@ var metricsHTTP = &http.Client{
 
 // httpGet returns the body of GET url, or an error unless it answers 200.
 func httpGet(url string) ([]byte, error) {
-	resp, err := metricsHTTP.Get(url)
+	return getURL(metricsHTTP, url)
+}
+
+// getURL is httpGet with client c.
+func getURL(c *http.Client, url string) ([]byte, error) {
+	resp, err := c.Get(url)
 	if err != nil {
 		return nil, err
 	}
