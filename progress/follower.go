@@ -122,7 +122,7 @@ type Follower struct {
 
 	mu sync.Mutex
 	// Guarded by mu.
-	reloadReason string             // a reload asked for by Reload, not yet begun
+	reloadReason string                  // a reload asked for by Reload, not yet begun
 	cancelFollow context.CancelCauseFunc // ends the current upstream watch; nil between watches
 }
 
