@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -81,11 +82,14 @@ type Mirror struct {
 	kick   chan struct{} // a poll is wanted now
 	// knownc is closed when the auth state is first known (Known).
 	knownc chan struct{}
+	// polled is when the latest poll etcd answered was sent, in Unix
+	// nanoseconds (0: none yet). Written under mu; read without it by
+	// Polled, which the gate asks on every read it judges.
+	polled atomic.Int64
 
 	mu sync.Mutex
 	// Guarded by mu.
 	known    bool          // AuthStatus has answered at least once
-	polled   time.Time     // when the latest poll etcd answered was sent
 	enabled  bool          // auth was enabled at the last AuthStatus
 	revision uint64        // the auth revision of the last AuthStatus
 	checker  *Checker      // at revision; nil when it could not be read
@@ -186,7 +190,7 @@ func (m *Mirror) poll(ctx context.Context) {
 	// Enabling auth keeps the auth revision: at the same revision, a
 	// state read by a call sent after this poll's (Status) may be newer
 	// than the snapshot, and is kept.
-	if snap.Revision > m.revision || snap.Revision == m.revision && (snap.Enabled == m.enabled || !m.polled.After(sent)) {
+	if snap.Revision > m.revision || snap.Revision == m.revision && (snap.Enabled == m.enabled || !m.polledAt().After(sent)) {
 		m.checker, m.readErr = c, nil
 		m.enabled, m.revision = snap.Enabled, snap.Revision
 		close(m.changed)
@@ -202,13 +206,13 @@ func (m *Mirror) poll(ctx context.Context) {
 func (m *Mirror) observe(enabled bool, rev uint64, sent time.Time) (stale bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.known && (rev != 0 && rev < m.revision || sent.Before(m.polled)) {
+	if m.known && (rev != 0 && rev < m.revision || sent.Before(m.polledAt())) {
 		// An older answer than one already seen, or an answer to a call
 		// sent before the one whose answer is kept: the state kept is as
 		// of its sending or later, which Polled promises.
 		return false
 	}
-	m.polled = sent
+	m.polled.Store(sent.UnixNano())
 	if enabled != m.enabled || !m.known {
 		m.cfg.Logger.Info("etcd auth", zap.Bool("enabled", enabled), zap.Uint64("auth-revision", rev))
 	}
@@ -266,10 +270,14 @@ func (m *Mirror) Enabled() (enabled, known bool) {
 // time before any): the auth state of Enabled and Checker was etcd's at
 // that moment or later.
 // The gate decides nothing from a state older than MaxMirrorAge.
-func (m *Mirror) Polled() time.Time {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return m.polled
+func (m *Mirror) Polled() time.Time { return m.polledAt() }
+
+func (m *Mirror) polledAt() time.Time {
+	n := m.polled.Load()
+	if n == 0 {
+		return time.Time{}
+	}
+	return time.Unix(0, n)
 }
 
 // Checker returns the checker of etcd's current auth revision, or nil

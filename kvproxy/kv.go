@@ -353,10 +353,9 @@ func (s *Server) forwardRange(ctx context.Context, r *pb.RangeRequest, served in
 func (s *Server) rangeUpstream(ctx context.Context, r *pb.RangeRequest) (*pb.RangeResponse, error) {
 	dctx, cancel := drain.Context(ctx)
 	resp, err := s.upstream.Range(dctx, r)
-	cause := context.Cause(dctx)
-	member := drain.Member(dctx)
+	moved, member := drain.Moved(dctx), drain.Member(dctx)
 	cancel()
-	if err != nil && ctx.Err() == nil && (errors.Is(cause, drain.ErrUnresponsive) || errors.Is(cause, drain.ErrDraining)) {
+	if err != nil && ctx.Err() == nil && moved {
 		resp, err = s.upstream.Range(drain.Avoid(ctx, member), r)
 	}
 	if err == nil {

@@ -496,8 +496,8 @@ func (f *Follower) streamBroken(ctx, wctx context.Context, err error, sendErr <-
 	if errors.Is(err, io.EOF) {
 		err = io.ErrUnexpectedEOF
 	}
-	if cause := context.Cause(wctx); errors.Is(cause, drain.ErrDraining) || errors.Is(cause, drain.ErrUnresponsive) || errors.Is(cause, errWatchStalled) {
-		err = cause
+	if drain.Moved(wctx) || errors.Is(context.Cause(wctx), errWatchStalled) {
+		err = context.Cause(wctx)
 	}
 	if errors.Is(rpctypes.Error(err), rpctypes.ErrNoLeader) {
 		f.leader.lost()

@@ -152,8 +152,7 @@ func hedgedRead(ctx context.Context, rev int64, delay time.Duration, read func(c
 			if a.err == nil || errors.Is(a.err, ErrCompacted) || errors.Is(a.err, ErrFutureRev) {
 				return a.head, a.err
 			}
-			cause := context.Cause(first)
-			if !hedged && ctx.Err() == nil && (errors.Is(cause, drain.ErrUnresponsive) || errors.Is(cause, drain.ErrDraining)) {
+			if !hedged && ctx.Err() == nil && drain.Moved(first) {
 				hedge()
 				continue
 			}

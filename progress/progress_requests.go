@@ -57,9 +57,10 @@ type progressRequests struct {
 	// keep it.
 	waitingSince time.Time
 
-	// received is when the stream last delivered a response, in Unix
-	// nanoseconds (received); read by the sender to tell a stalled stream.
-	received atomic.Int64
+	// responses counts the stream's responses (receivedResponse): the
+	// sender tells a stalled stream by a count that stops moving, so that
+	// receiving costs one atomic add and no clock read.
+	responses atomic.Uint64
 }
 
 func newProgressRequests() *progressRequests {
@@ -103,7 +104,7 @@ func (p *progressRequests) answer() {
 }
 
 // receivedResponse records that the stream delivered a response.
-func (p *progressRequests) receivedResponse() { p.received.Store(time.Now().UnixNano()) }
+func (p *progressRequests) receivedResponse() { p.responses.Add(1) }
 
 // streamLost forgets a request lost with a broken stream, and asks again for
 // the waiters that still need an answer.
@@ -125,6 +126,11 @@ func (p *progressRequests) sendLoop(ctx context.Context, stream pb.Watch_WatchCl
 	resend := time.NewTimer(progressResend)
 	resend.Stop()
 	defer resend.Stop()
+	// The response count as the sender last saw it change, and when: it
+	// wakes every progressResend while a request is in flight, so it sees
+	// a response within that of its arrival.
+	var seenResponses uint64
+	var seenAt time.Time
 	for {
 		select {
 		case <-ctx.Done():
@@ -150,8 +156,11 @@ func (p *progressRequests) sendLoop(ctx context.Context, stream pb.Watch_WatchCl
 		inFlight := p.inFlight
 		silentSince := p.waitingSince
 		p.mu.Unlock()
-		if last := time.Unix(0, p.received.Load()); last.After(silentSince) {
-			silentSince = last
+		if n := p.responses.Load(); n != seenResponses {
+			seenResponses, seenAt = n, now
+		}
+		if seenAt.After(silentSince) {
+			silentSince = seenAt
 		}
 		if inFlight && now.Sub(silentSince) >= watchStallTimeout {
 			return errWatchStalled

@@ -96,6 +96,14 @@ func Context(parent context.Context) (ctx context.Context, cancel context.Cancel
 
 type streamKey struct{}
 
+// Moved reports whether ctx, a context from Context, was canceled by
+// drain: its member went away (ErrDraining) or stopped answering
+// (ErrUnresponsive), so a call made with it may be made again elsewhere.
+func Moved(ctx context.Context) bool {
+	cause := context.Cause(ctx)
+	return errors.Is(cause, ErrDraining) || errors.Is(cause, ErrUnresponsive)
+}
+
 type avoidKey struct{}
 
 // Avoid returns a context whose calls are not picked on member (an address
@@ -370,18 +378,10 @@ func (c *clientConn) anyResponsive(except string) bool {
 // subchannels if a responsive one is READY for them to move to. It runs
 // whenever a subchannel becomes READY or changes responsiveness.
 func (c *clientConn) moveOffUnresponsive() {
-	all := c.all()
-	var responsive bool
-	for _, sc := range all {
-		if sc.readyAndResponsive() {
-			responsive = true
-			break
-		}
-	}
-	if !responsive {
+	if !c.anyResponsive("") {
 		return
 	}
-	for _, sc := range all {
+	for _, sc := range c.all() {
 		sc.endIfUnresponsive()
 	}
 }
