@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/metadata"
 
 	"github.com/etcd-snapcache/etcd-snapcache/gate"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/drain"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -42,7 +43,32 @@ func withCallerMetadata(ctx context.Context) context.Context {
 	return metadata.NewOutgoingContext(ctx, out)
 }
 
+// proposals are the unary methods etcd answers by a raft proposal, which a
+// follower only forwards to its leader. They go to the leader directly
+// (drain.ToLeader), so that a follower that hangs or is being defragmented
+// does not hold a write the cluster can commit. The Auth service's methods
+// are all proposals.
+var proposals = map[string]bool{
+	"/etcdserverpb.KV/Put":                true,
+	"/etcdserverpb.KV/DeleteRange":        true,
+	"/etcdserverpb.KV/Txn":                true,
+	"/etcdserverpb.KV/Compact":            true,
+	"/etcdserverpb.Lease/LeaseGrant":      true,
+	"/etcdserverpb.Lease/LeaseRevoke":     true,
+	"/etcdserverpb.Cluster/MemberAdd":     true,
+	"/etcdserverpb.Cluster/MemberRemove":  true,
+	"/etcdserverpb.Cluster/MemberUpdate":  true,
+	"/etcdserverpb.Cluster/MemberPromote": true,
+}
+
+func isProposal(method string) bool {
+	return proposals[method] || strings.HasPrefix(method, "/etcdserverpb.Auth/")
+}
+
 func forwardUnaryMetadata(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	if isProposal(method) {
+		ctx = drain.ToLeader(ctx)
+	}
 	return invoker(withCallerMetadata(ctx), method, req, reply, cc, opts...)
 }
 

@@ -31,6 +31,10 @@
 // Its next answer makes it responsive again. A member that hangs is avoided
 // within ProbeInterval+ProbeTimeout (4 s) of its last answer.
 //
+// A Status answer also says whether the member leads: calls with a context
+// from ToLeader (proposals: writes, lease grants) go to the leader while
+// it answers, so that a follower that hangs holds none of them.
+//
 // Status is answered by the member itself, without raft: it reads raft's
 // in-memory state, and the storage version under the backend's read lock.
 // That lock is held by each backend commit (for its fsync) and by a
@@ -116,6 +120,20 @@ func Avoid(ctx context.Context, member string) context.Context {
 		return ctx
 	}
 	return context.WithValue(ctx, avoidKey{}, member)
+}
+
+type leaderKey struct{}
+
+// ToLeader returns a context whose calls are picked on the member that
+// last said, in answer to its probe, that it is etcd's leader, while that
+// member is READY, answers its probes and is not avoided; otherwise they
+// are picked as without it. It is for proposals (writes, lease grants):
+// a follower only forwards them to the leader, so a write sent to a
+// follower that hangs (or that is being defragmented) waits out its
+// caller's deadline although the cluster can commit it; sent to the leader
+// it depends on nothing the leader does not depend on anyway.
+func ToLeader(ctx context.Context) context.Context {
+	return context.WithValue(ctx, leaderKey{}, true)
 }
 
 // Member returns the address of the member the latest call made with ctx,
@@ -317,11 +335,14 @@ func (p *picker) pickResponsive(info balancer.PickInfo) (balancer.PickResult, *s
 		return res, sc, nil
 	}
 	avoid, _ := info.Ctx.Value(avoidKey{}).(string)
-	want := func(sc *subConn) bool { return sc.isResponsive() && sc.addr != avoid }
+	toLeader := info.Ctx.Value(leaderKey{}) != nil && p.cc.leaderReady(avoid)
+	want := func(sc *subConn) bool {
+		return sc.isResponsive() && sc.addr != avoid && (!toLeader || sc.isLeader())
+	}
 	switch {
 	case want(sc):
 		return res, sc, nil
-	case p.cc.anyResponsive(avoid):
+	case toLeader, p.cc.anyResponsive(avoid):
 	case !sc.isResponsive() && p.cc.anyResponsive(""):
 		// Only the avoided member answers: better it than a hung one.
 		want = (*subConn).isResponsive
@@ -368,6 +389,17 @@ func (c *clientConn) all() []*subConn {
 func (c *clientConn) anyResponsive(except string) bool {
 	for _, sc := range c.all() {
 		if sc.addr != except && sc.readyAndResponsive() {
+			return true
+		}
+	}
+	return false
+}
+
+// leaderReady reports whether a subchannel to a member other than except
+// is READY and responsive and its member said it is the leader.
+func (c *clientConn) leaderReady(except string) bool {
+	for _, sc := range c.all() {
+		if sc.addr != except && sc.readyAndResponsive() && sc.isLeader() {
 			return true
 		}
 	}
@@ -427,6 +459,19 @@ func (sc *subConn) setResponsive(ok bool) bool {
 	}
 	sc.unresponding = !ok
 	return true
+}
+
+// leading records, per member address, whether the member's latest Status
+// answer to a probe, on any connection of the process, said it leads. It
+// is process-wide because etcd refuses Status on a connection without a
+// user while auth is on (the forwarding one without --user): that
+// connection's proposals go where the proxy's own connection's probes
+// found the leader.
+var leading sync.Map // member address → bool
+
+func (sc *subConn) isLeader() bool {
+	v, _ := leading.Load(sc.addr)
+	return v == true
 }
 
 func (sc *subConn) isResponsive() bool {

@@ -119,3 +119,56 @@ func TestUnresponsiveEndsStreamsOnlyWithSomewhereToGo(t *testing.T) {
 	}
 	res.Done(balancer.DoneInfo{})
 }
+
+// TestPickerSendsProposalsToTheLeader: a call with a context from ToLeader
+// is picked on the member whose probe answer said it leads while that
+// member is READY, responsive and not avoided; otherwise as without it.
+// Other calls keep round_robin's order.
+func TestPickerSendsProposalsToTheLeader(t *testing.T) {
+	_, p, scs := fakeConn("leader-a", "leader-b", "leader-c")
+	for n := range scs {
+		t.Cleanup(func() { leading.Delete(n) })
+	}
+	picks := func(ctx context.Context) string {
+		var got []string
+		for range 3 {
+			res, err := p.Pick(balancer.PickInfo{Ctx: ctx})
+			if err != nil {
+				t.Fatal(err)
+			}
+			got = append(got, res.SubConn.(*fakeSubConn).name)
+		}
+		return strings.Join(got, " ")
+	}
+	toLeader := ToLeader(context.Background())
+
+	// No probe has answered yet: round_robin.
+	if got := picks(toLeader); got != "leader-a leader-b leader-c" {
+		t.Fatalf("with no leader known: picks %q", got)
+	}
+	leading.Store("leader-a", false)
+	leading.Store("leader-b", true)
+	leading.Store("leader-c", false)
+	if got := picks(toLeader); got != "leader-b leader-b leader-b" {
+		t.Fatalf("proposals: picks %q, want the leader's", got)
+	}
+	if got := picks(context.Background()); got == "leader-b leader-b leader-b" {
+		t.Fatalf("other calls: picks %q, want round_robin's", got)
+	}
+	// The leader hangs: proposals go round the others, as without a leader.
+	scs["leader-b"].setResponsive(false)
+	if got := picks(toLeader); strings.Contains(got, "leader-b") {
+		t.Fatalf("with the leader unresponsive: picks %q", got)
+	}
+	scs["leader-b"].setResponsive(true)
+	// Avoided (a hedged attempt): not the leader.
+	if got := picks(Avoid(toLeader, "leader-b")); strings.Contains(got, "leader-b") {
+		t.Fatalf("with the leader avoided: picks %q", got)
+	}
+	// A new leader is elected.
+	leading.Store("leader-b", false)
+	leading.Store("leader-c", true)
+	if got := picks(toLeader); got != "leader-c leader-c leader-c" {
+		t.Fatalf("after an election: picks %q", got)
+	}
+}

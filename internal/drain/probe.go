@@ -56,12 +56,13 @@ func (p *prober) Build(cci any) (balancer.Producer, func()) {
 	}
 }
 
-// run probes every ProbeInterval until ctx ends. The probes of every
-// subchannel of the process tick together, on whole multiples of
-// ProbeInterval: an idle proxy then wakes once a second for all its
-// members rather than once per member.
+// run probes at once, to learn whether the member leads, then every
+// ProbeInterval until ctx ends. The probes of every subchannel of the
+// process tick together, on whole multiples of ProbeInterval: an idle
+// proxy then wakes once a second for all its members rather than once per
+// member.
 func (p *prober) run(ctx context.Context, m pb.MaintenanceClient) {
-	next := time.NewTimer(untilNextTick(time.Now()))
+	next := time.NewTimer(0)
 	defer next.Stop()
 	for {
 		select {
@@ -70,7 +71,7 @@ func (p *prober) run(ctx context.Context, m pb.MaintenanceClient) {
 		case now := <-next.C:
 			next.Reset(untilNextTick(now))
 		}
-		answered := probe(ctx, m)
+		answered := probe(ctx, m, p.sc.addr)
 		if ctx.Err() != nil {
 			return
 		}
@@ -84,7 +85,8 @@ func (p *prober) run(ctx context.Context, m pb.MaintenanceClient) {
 }
 
 // probe reports whether the member answered a Status request within
-// ProbeTimeout. Any answer counts, an error from etcd too (a refused auth
+// ProbeTimeout, and records in leading whether it said it is the leader.
+// Any answer counts, an error from etcd too (a refused auth
 // token, say): it proves the member and the path to it work. A transport
 // that fails ends the READY period, and so the probe.
 //
@@ -97,11 +99,15 @@ func (p *prober) run(ctx context.Context, m pb.MaintenanceClient) {
 // longer knows (etcd restarted) makes etcd log "invalid auth token" for
 // each probe until clientv3 authenticates again, which the proxy's next
 // call on that connection does: the auth mirror's twice a second.
-func probe(ctx context.Context, m pb.MaintenanceClient) bool {
+func probe(ctx context.Context, m pb.MaintenanceClient, addr string) bool {
 	pctx, cancel := context.WithTimeout(ctx, ProbeTimeout)
 	defer cancel()
-	_, err := m.Status(pctx, &pb.StatusRequest{})
-	return err == nil || !errors.Is(pctx.Err(), context.DeadlineExceeded)
+	st, err := m.Status(pctx, &pb.StatusRequest{})
+	if err != nil {
+		return !errors.Is(pctx.Err(), context.DeadlineExceeded)
+	}
+	leading.Store(addr, st.Header != nil && st.Leader != 0 && st.Leader == st.Header.MemberId)
+	return true
 }
 
 // untilNextTick is how long from now to the next whole multiple of
