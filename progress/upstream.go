@@ -11,6 +11,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/drain"
 )
 
 // upstreamState is what the proxy knows of the etcd member it talks to,
@@ -86,16 +87,22 @@ const (
 
 // versionTracker keeps the upstream's release current: etcd can be upgraded
 // or downgraded under the proxy, one member at a time, so the release is
-// read again after every reconnect, and retried while unknown. Readers treat
-// an unknown release conservatively (see kvproxy).
+// read again after every reconnect and whenever the members' releases
+// start or stop differing, and retried while unknown. While the members
+// run different releases it is unknown: each member answers by its own
+// release, and the proxy cannot answer as all of them. Readers treat an
+// unknown release conservatively (see kvproxy).
 type versionTracker struct {
 	// unsupported, if set, is told of a release the follower cannot
 	// follow, read after a reconnect (a downgrade under the proxy).
 	unsupported func(error)
 	state       *upstreamState
 	status      func(ctx context.Context) (*pb.StatusResponse, error)
-	lg          *zap.Logger
-	recheck     chan struct{} // buffered 1: the connection was re-established
+	// mixed reports whether the members run different releases, and a
+	// channel closed when that changes (drain.MixedReleases).
+	mixed   func() (bool, <-chan struct{})
+	lg      *zap.Logger
+	recheck chan struct{} // buffered 1: the connection was re-established
 }
 
 func newVersionTracker(state *upstreamState, mt pb.MaintenanceClient, lg *zap.Logger) *versionTracker {
@@ -104,6 +111,7 @@ func newVersionTracker(state *upstreamState, mt pb.MaintenanceClient, lg *zap.Lo
 		status: func(ctx context.Context) (*pb.StatusResponse, error) {
 			return mt.Status(ctx, &pb.StatusRequest{})
 		},
+		mixed:   drain.MixedReleases,
 		lg:      lg,
 		recheck: make(chan struct{}, 1),
 	}
@@ -132,30 +140,46 @@ func (v *versionTracker) refresh(ctx context.Context) bool {
 		return false
 	}
 	v.state.observe(st.Header)
-	if old := v.state.getVersion(); old != st.Version {
-		v.lg.Info("upstream etcd version", zap.String("version", st.Version))
+	version := st.Version
+	if mixed, _ := v.mixed(); mixed {
+		version = ""
 	}
-	v.state.setVersion(st.Version)
+	if old := v.state.getVersion(); old != version {
+		if version == "" {
+			v.lg.Info("etcd's members run different releases: the release is unknown until they agree", zap.String("member-version", st.Version))
+		} else {
+			v.lg.Info("upstream etcd version", zap.String("version", version))
+		}
+	}
+	v.state.setVersion(version)
 	if err := checkRelease(st.Version); err != nil && v.unsupported != nil {
 		v.unsupported(err)
 	}
 	return true
 }
 
+// noMixedReleases is mixed for a tracker that does not know the members.
+func noMixedReleases() (bool, <-chan struct{}) { return false, nil }
+
 // run re-reads the release after each reconnect, and retries with a
 // growing pause while it is unknown, until ctx is done.
 func (v *versionTracker) run(ctx context.Context) {
 	bo := backoff.New(versionRetryMin, versionRetryMax)
 	var retry <-chan time.Time
+	// Taken before each refresh, so that a change during it is not missed.
+	_, changed := v.mixed()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-v.recheck:
 			bo.Reset()
+		case <-changed:
+			bo.Reset()
 		case <-retry:
 		}
 		retry = nil
+		_, changed = v.mixed()
 		if !v.refresh(ctx) && ctx.Err() == nil {
 			retry = time.After(bo.Next())
 		}

@@ -47,7 +47,7 @@ func (f *fakeStatus) set(v string) {
 func TestVersionTrackerRetriesAndFollowsReconnects(t *testing.T) {
 	st := &upstreamState{}
 	fs := &fakeStatus{called: make(chan struct{}, 100)}
-	v := &versionTracker{state: st, status: fs.status, lg: zaptest.NewLogger(t), recheck: make(chan struct{}, 1)}
+	v := &versionTracker{state: st, status: fs.status, mixed: noMixedReleases, lg: zaptest.NewLogger(t), recheck: make(chan struct{}, 1)}
 
 	if v.refresh(context.Background()) || st.getVersion() != "" {
 		t.Fatalf("a failed Status left version %q, want unknown", st.getVersion())
@@ -76,4 +76,61 @@ func TestVersionTrackerRetriesAndFollowsReconnects(t *testing.T) {
 func waitVersion(t *testing.T, st *upstreamState, want string) {
 	t.Helper()
 	testsupport.WaitFor(t, 10*time.Second, "version "+want, func() bool { return st.getVersion() == want })
+}
+
+// fakeMembers stands for drain.MixedReleases: whether the members run
+// different releases, set by the test, with a channel closed on a change.
+type fakeMembers struct {
+	mu      sync.Mutex
+	mixed   bool
+	changed chan struct{}
+}
+
+func (m *fakeMembers) get() (bool, <-chan struct{}) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.mixed, m.changed
+}
+
+func (m *fakeMembers) set(mixed bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.mixed = mixed
+	close(m.changed)
+	m.changed = make(chan struct{})
+}
+
+// TestVersionTrackerUnknownWhileMembersDiffer: during a rolling upgrade the
+// members run different releases and the release is unknown, whichever
+// member answers Status; once they agree the release is read again with
+// no reconnect, so the last member's upgrade is noticed.
+func TestVersionTrackerUnknownWhileMembersDiffer(t *testing.T) {
+	st := &upstreamState{}
+	fs := &fakeStatus{called: make(chan struct{}, 100), version: "3.6.16"}
+	members := &fakeMembers{changed: make(chan struct{})}
+	v := &versionTracker{state: st, status: fs.status, mixed: members.get, lg: zaptest.NewLogger(t), recheck: make(chan struct{}, 1)}
+	if !v.refresh(context.Background()) || st.getVersion() != "3.6.16" {
+		t.Fatalf("version %q, want 3.6.16", st.getVersion())
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); v.run(ctx) }()
+	defer func() { cancel(); <-done }()
+
+	v.reconnected() // the loop runs, and has taken the channel
+	<-fs.called
+	// A member comes back as 3.7; the member asked still runs 3.6.
+	members.set(true)
+	<-fs.called
+	waitVersion(t, st, "")
+	v.reconnected() // the watch moved: still unknown
+	<-fs.called
+	if got := st.getVersion(); got != "" {
+		t.Fatalf("version %q while the members differ, want unknown", got)
+	}
+	// The last member is upgraded.
+	fs.set("3.7.3")
+	members.set(false)
+	waitVersion(t, st, "3.7.3")
 }

@@ -2,11 +2,14 @@
 # Builds the real programs the end-to-end suites (integration/clients) run,
 # from the Go module proxy, into .tools/bin (ignored by git):
 #
-#   tools/build.sh etcd    # etcd and etcdctl v3.7.3 (tools/etcd)
+#   tools/build.sh etcd    # etcd and etcdctl v3.7.3 (tools/etcd), and the
+#                          # previous release's as etcd-3.6 and etcdctl-3.6
+#                          # (tools/etcd36), for the upgrade tests
 #   tools/build.sh kube    # kube-apiserver v1.37.1 (tools/kube)
 #   tools/build.sh         # both
 #
-# First build on 2 cores, from empty Go caches: etcd and etcdctl about 45 s;
+# First build on 2 cores, from empty Go caches: etcd and etcdctl about 45 s
+# for each release;
 # kube-apiserver about 4.5 min (12 min on a heavily loaded machine). Later
 # runs find the binaries up to date and take a second.
 #
@@ -60,6 +63,10 @@ build_etcd() {
   build etcdctl "$dir" go.etcd.io/etcd/etcdctl/v3 -trimpath
   "$bin/etcd" --version | sed -n 1p
   "$bin/etcdctl" version | sed -n 1p
+  dir=$root/tools/etcd36
+  build etcd-3.6 "$dir" go.etcd.io/etcd/server/v3 -trimpath
+  build etcdctl-3.6 "$dir" go.etcd.io/etcd/etcdctl/v3 -trimpath
+  "$bin/etcd-3.6" --version | sed -n 1p
 }
 
 build_kube() {

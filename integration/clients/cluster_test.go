@@ -11,17 +11,24 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
-// etcdCluster is an etcd cluster of member processes started from
-// .tools/bin/etcd, each on its own client and peer ports on loopback.
+// etcdCluster is an etcd cluster of member processes, each on its own
+// client and peer ports on loopback.
 type etcdCluster struct {
 	members []*etcdProc
+	args    [][]string // each member's command line, for restarts
+	starts  []int      // how many times each member was started
 }
 
-// startEtcdCluster starts an n-member cluster and waits until every member
-// is ready (it has a leader and serves reads).
+// startEtcdCluster starts an n-member cluster of .tools/bin/etcd and waits
+// until every member is ready (it has a leader and serves reads).
 func startEtcdCluster(t testing.TB, n int, extra ...string) *etcdCluster {
 	t.Helper()
-	bin := etcdBin(t)
+	return startEtcdClusterOf(t, etcdBin(t), n, extra...)
+}
+
+// startEtcdClusterOf starts an n-member cluster of the etcd binary bin.
+func startEtcdClusterOf(t testing.TB, bin string, n int, extra ...string) *etcdCluster {
+	t.Helper()
 	ports := testsupport.FreePorts(t, 2*n)
 	var initial []string
 	for i := range n {
@@ -45,11 +52,27 @@ func startEtcdCluster(t testing.TB, n int, extra ...string) *etcdCluster {
 		}, extra...)
 		p := startProcess(t, name, bin, args)
 		c.members = append(c.members, &etcdProc{process: p, addr: addr, url: "http://" + addr})
+		c.args = append(c.args, args)
+		c.starts = append(c.starts, 1)
 	}
 	for _, m := range c.members {
 		waitUntil(t, 30*time.Second, m.name+" /readyz", func() (bool, error) { return httpOK(m.url + "/readyz") }, m.process)
 	}
 	return c
+}
+
+// restart stops member i gracefully (SIGTERM), as a rolling restart or
+// upgrade does, starts bin on its data directory with its flags, and waits
+// until it is ready.
+func (c *etcdCluster) restart(t testing.TB, i int, bin string) {
+	t.Helper()
+	m := c.members[i]
+	m.stop(t)
+	c.starts[i]++
+	name := fmt.Sprintf("m%d", i)
+	p := startProcess(t, fmt.Sprintf("%s-%d", name, c.starts[i]), bin, c.args[i])
+	c.members[i] = &etcdProc{process: p, addr: m.addr, url: m.url}
+	waitUntil(t, 30*time.Second, name+" /readyz after its restart", func() (bool, error) { return httpOK(m.url + "/readyz") }, p)
 }
 
 // endpoints are the members' client URLs, comma-separated, as --endpoints

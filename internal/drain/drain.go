@@ -234,7 +234,10 @@ func (c *clientConn) NewSubConn(addrs []resolver.Address, opts balancer.NewSubCo
 	listener := opts.StateListener
 	var created balancer.SubConn
 	opts.StateListener = func(s balancer.SubConnState) {
-		sc.setState(s.ConnectivityState)
+		if sc.setState(s.ConnectivityState) {
+			// A member joins or leaves the READY ones whose releases count.
+			defer updateReleases()
+		}
 		switch s.ConnectivityState {
 		case connectivity.Shutdown:
 			c.mu.Lock()
@@ -432,7 +435,9 @@ type subConn struct {
 	picks        map[*pick]struct{} // guarded by mu
 }
 
-func (sc *subConn) setState(s connectivity.State) {
+// setState records s, and reports whether the subchannel became or stopped
+// being READY.
+func (sc *subConn) setState(s connectivity.State) bool {
 	sc.mu.Lock()
 	was := sc.state
 	sc.state = s
@@ -447,6 +452,7 @@ func (sc *subConn) setState(s connectivity.State) {
 	for pk := range ended {
 		pk.stream.cancel(fmt.Errorf("%w: %s is %s", ErrDraining, sc.addr, s))
 	}
+	return (was == connectivity.Ready) != (s == connectivity.Ready)
 }
 
 // setResponsive records a probe's outcome, and reports whether it changed
@@ -461,17 +467,30 @@ func (sc *subConn) setResponsive(ok bool) bool {
 	return true
 }
 
-// leading records, per member address, whether the member's latest Status
-// answer to a probe, on any connection of the process, said it leads. It
-// is process-wide because etcd refuses Status on a connection without a
-// user while auth is on (the forwarding one without --user): that
-// connection's proposals go where the proxy's own connection's probes
-// found the leader.
-var leading sync.Map // member address → bool
+// memberStatus is what a member's latest answer to a probe said.
+type memberStatus struct {
+	leader  bool   // it is etcd's leader
+	release string // its release's major.minor ("3.7")
+}
+
+// statuses holds, per member address, its latest answer to a probe on any
+// connection of the process. It is process-wide because etcd refuses
+// Status on a connection without a user while auth is on (the forwarding
+// one without --user): that connection's proposals go where the proxy's
+// own connection's probes found the leader.
+var statuses sync.Map // member address → memberStatus
+
+// noteStatus records a member's answer.
+func noteStatus(addr string, st memberStatus) {
+	old, loaded := statuses.Swap(addr, st)
+	if !loaded || old.(memberStatus).release != st.release {
+		updateReleases()
+	}
+}
 
 func (sc *subConn) isLeader() bool {
-	v, _ := leading.Load(sc.addr)
-	return v == true
+	st, _ := statuses.Load(sc.addr)
+	return st != nil && st.(memberStatus).leader
 }
 
 func (sc *subConn) isResponsive() bool {

@@ -92,3 +92,39 @@ func untrack(c *clientConn) {
 	delete(live.conns, c)
 	live.mu.Unlock()
 }
+
+// releases says whether the members some connection of the process is
+// READY to run different etcd releases (major.minor), as their latest
+// answers to the probes say: true during a rolling upgrade or downgrade.
+var releases = struct {
+	mu      sync.Mutex
+	mixed   bool          // guarded by mu
+	changed chan struct{} // guarded by mu; closed, and replaced, when mixed changes
+}{changed: make(chan struct{})}
+
+// MixedReleases reports whether the READY members run different releases,
+// and returns a channel closed when that changes.
+func MixedReleases() (mixed bool, changed <-chan struct{}) {
+	releases.mu.Lock()
+	defer releases.mu.Unlock()
+	return releases.mixed, releases.changed
+}
+
+// updateReleases recomputes releases.mixed from the READY members'
+// statuses; it runs when a member's release or the READY set changes.
+func updateReleases() {
+	seen := map[string]bool{}
+	for addr := range members() {
+		if st, ok := statuses.Load(addr); ok && st.(memberStatus).release != "" {
+			seen[st.(memberStatus).release] = true
+		}
+	}
+	mixed := len(seen) > 1
+	releases.mu.Lock()
+	defer releases.mu.Unlock()
+	if mixed != releases.mixed {
+		releases.mixed = mixed
+		close(releases.changed)
+		releases.changed = make(chan struct{})
+	}
+}

@@ -127,7 +127,7 @@ func TestUnresponsiveEndsStreamsOnlyWithSomewhereToGo(t *testing.T) {
 func TestPickerSendsProposalsToTheLeader(t *testing.T) {
 	_, p, scs := fakeConn("leader-a", "leader-b", "leader-c")
 	for n := range scs {
-		t.Cleanup(func() { leading.Delete(n) })
+		t.Cleanup(func() { statuses.Delete(n) })
 	}
 	picks := func(ctx context.Context) string {
 		var got []string
@@ -146,9 +146,9 @@ func TestPickerSendsProposalsToTheLeader(t *testing.T) {
 	if got := picks(toLeader); got != "leader-a leader-b leader-c" {
 		t.Fatalf("with no leader known: picks %q", got)
 	}
-	leading.Store("leader-a", false)
-	leading.Store("leader-b", true)
-	leading.Store("leader-c", false)
+	statuses.Store("leader-a", memberStatus{leader: false})
+	statuses.Store("leader-b", memberStatus{leader: true})
+	statuses.Store("leader-c", memberStatus{leader: false})
 	if got := picks(toLeader); got != "leader-b leader-b leader-b" {
 		t.Fatalf("proposals: picks %q, want the leader's", got)
 	}
@@ -166,9 +166,60 @@ func TestPickerSendsProposalsToTheLeader(t *testing.T) {
 		t.Fatalf("with the leader avoided: picks %q", got)
 	}
 	// A new leader is elected.
-	leading.Store("leader-b", false)
-	leading.Store("leader-c", true)
+	statuses.Store("leader-b", memberStatus{leader: false})
+	statuses.Store("leader-c", memberStatus{leader: true})
 	if got := picks(toLeader); got != "leader-c leader-c leader-c" {
 		t.Fatalf("after an election: picks %q", got)
+	}
+}
+
+// TestMixedReleases: the READY members' releases, as their probe answers
+// say, are mixed while two differ in major.minor (a rolling upgrade), and
+// each change closes the channel MixedReleases returned before it.
+func TestMixedReleases(t *testing.T) {
+	cc, _, scs := fakeConn("rel-a", "rel-b", "rel-c")
+	track(cc)
+	t.Cleanup(func() {
+		untrack(cc)
+		for n := range scs {
+			statuses.Delete(n)
+		}
+		updateReleases()
+	})
+	for _, n := range []string{"rel-a", "rel-b", "rel-c"} {
+		noteStatus(n, memberStatus{release: majorMinor("3.6.16")})
+	}
+	mixed, changed := MixedReleases()
+	if mixed {
+		t.Fatal("mixed with every member on 3.6")
+	}
+	// rel-a restarted as 3.7.
+	noteStatus("rel-a", memberStatus{release: majorMinor("3.7.3")})
+	select {
+	case <-changed:
+	default:
+		t.Fatal("no change signaled when a member came back on 3.7")
+	}
+	if mixed, changed = MixedReleases(); !mixed {
+		t.Fatal("not mixed with 3.6 and 3.7 members")
+	}
+	// A patch release is the same release.
+	noteStatus("rel-b", memberStatus{release: majorMinor("3.6.15")})
+	if m, _ := MixedReleases(); !m {
+		t.Fatal("not mixed after a patch change")
+	}
+	// The 3.6 members go away (not READY): the rest agree.
+	for _, n := range []string{"rel-b", "rel-c"} {
+		if scs[n].setState(connectivity.Idle) {
+			updateReleases()
+		}
+	}
+	select {
+	case <-changed:
+	default:
+		t.Fatal("no change signaled when the 3.6 members left")
+	}
+	if m, _ := MixedReleases(); m {
+		t.Fatal("mixed with only a 3.7 member READY")
 	}
 }

@@ -3,6 +3,7 @@ package drain
 import (
 	"context"
 	"errors"
+	"strings"
 	"time"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
@@ -85,7 +86,8 @@ func (p *prober) run(ctx context.Context, m pb.MaintenanceClient) {
 }
 
 // probe reports whether the member answered a Status request within
-// ProbeTimeout, and records in leading whether it said it is the leader.
+// ProbeTimeout, and records in statuses whether it said it is the leader,
+// and its release.
 // Any answer counts, an error from etcd too (a refused auth
 // token, say): it proves the member and the path to it work. A transport
 // that fails ends the READY period, and so the probe.
@@ -106,7 +108,10 @@ func probe(ctx context.Context, m pb.MaintenanceClient, addr string) bool {
 	if err != nil {
 		return !errors.Is(pctx.Err(), context.DeadlineExceeded)
 	}
-	leading.Store(addr, st.Header != nil && st.Leader != 0 && st.Leader == st.Header.MemberId)
+	noteStatus(addr, memberStatus{
+		leader:  st.Header != nil && st.Leader != 0 && st.Leader == st.Header.MemberId,
+		release: majorMinor(st.Version),
+	})
 	return true
 }
 
@@ -118,4 +123,15 @@ func untilNextTick(now time.Time) time.Duration {
 		d += ProbeInterval
 	}
 	return d
+}
+
+// majorMinor is version's "major.minor" ("3.7" of "3.7.3"), or "" if it
+// has no minor.
+func majorMinor(version string) string {
+	major, rest, ok := strings.Cut(version, ".")
+	if !ok {
+		return ""
+	}
+	minor, _, _ := strings.Cut(rest, ".")
+	return major + "." + minor
 }

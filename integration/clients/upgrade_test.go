@@ -1,0 +1,143 @@
+package clients
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"strings"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
+
+// TestRollingUpgrade: a three-member etcd 3.6 cluster is upgraded to 3.7
+// one member at a time, then downgraded back to 3.6 by etcd's procedure
+// (downgrade validate and enable, every member's storage version down to
+// 3.6, then member by member), while clients write, read linearizably and
+// watch through the proxy. The proxy follows throughout: it stays ready,
+// its upstream watch resumes on another member at each restart without
+// reloading the cache, no read fails, the watch misses nothing, and the
+// release it reports is the cluster's: unknown while the members run
+// different releases (each answers by its own), the new one once they
+// agree.
+func TestRollingUpgrade(t *testing.T) {
+	etcd36, etcd37, ctl := etcd36Bin(t), etcdBin(t), etcdctlBin(t)
+	c := startEtcdClusterOf(t, etcd36, 3)
+	px := startProxy(t, "proxy", c.endpoints())
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{px.addr}, DialTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	watch := cli.Watch(ctx, "k/", clientv3.WithPrefix())
+	ld := startHungLoad(ctx, cli, px)
+	ld.waitPuts(t, 10)
+
+	proxyReports := func(prefix string) {
+		t.Helper()
+		waitUntil(t, 30*time.Second, "the proxy to report etcd "+prefix+"*", func() (bool, error) {
+			v := px.status(t).UpstreamVersion
+			return strings.HasPrefix(v, prefix), fmt.Errorf("upstream_version %q", v)
+		}, px.process)
+	}
+	rolling := func(bin, release string) {
+		t.Helper()
+		for i := range c.members {
+			c.restart(t, i, bin)
+			if i < len(c.members)-1 {
+				// The member asked for Status may run either release;
+				// the proxy must not answer by one of them.
+				waitUntil(t, 10*time.Second, "the release unknown while the members differ", func() (bool, error) {
+					v := px.status(t).UpstreamVersion
+					return v == "", fmt.Errorf("upstream_version %q", v)
+				}, px.process)
+			}
+			ld.waitPuts(t, ld.puts()+10)
+			t.Logf("m%d restarted as %s", i, release)
+		}
+	}
+
+	proxyReports("3.6.")
+	rolling(etcd37, "3.7")
+	waitClusterVersion(t, c, "3.7.0")
+	proxyReports("3.7.")
+
+	// etcd's downgrade procedure: validate and enable, wait until every
+	// member's storage is at 3.6, then replace the binaries one by one.
+	global := []string{"--endpoints=" + c.endpoints()}
+	t.Logf("downgrade validate: %s", strings.TrimSpace(runEtcdctl(t, ctl, global, "downgrade", "validate", "3.6")))
+	t.Logf("downgrade enable: %s", strings.TrimSpace(runEtcdctl(t, ctl, global, "downgrade", "enable", "3.6")))
+	waitUntil(t, 60*time.Second, "every member's storage version at 3.6", func() (bool, error) {
+		for _, m := range c.members {
+			mc, err := clientv3.New(clientv3.Config{Endpoints: []string{m.addr}, DialTimeout: 2 * time.Second})
+			if err != nil {
+				return false, err
+			}
+			sctx, scancel := context.WithTimeout(ctx, 2*time.Second)
+			st, err := mc.Status(sctx, m.addr)
+			scancel()
+			mc.Close()
+			if err != nil {
+				return false, err
+			}
+			if st.StorageVersion != "3.6.0" {
+				return false, fmt.Errorf("%s: storage version %q", m.name, st.StorageVersion)
+			}
+		}
+		return true, nil
+	})
+	rolling(etcd36, "3.6")
+	waitClusterVersion(t, c, "3.6.0")
+	proxyReports("3.6.")
+
+	acked, res := ld.stop()
+	t.Logf("%d puts acknowledged, %d failed; %d linearizable reads, %d failed, slowest %v; /readyz polled %d times",
+		len(acked), len(res.putErrs), res.reads, len(res.readErrs), res.slowestRead, res.readyPolls)
+	if len(res.readErrs) > 0 {
+		t.Errorf("reads through the proxy failed: %v", res.readErrs)
+	}
+	if len(res.putErrs) > 0 {
+		t.Errorf("writes through the proxy failed: %v", res.putErrs)
+	}
+	if len(res.notReady) > 0 {
+		t.Errorf("/readyz failed while a quorum answered: %v", res.notReady)
+	}
+	if v, err := px.metric("loads_total"); err != nil || v != 1 {
+		t.Errorf("loads_total = %v (%v), want 1: the upstream watch must resume, not reload", v, err)
+	}
+	if reloads, err := px.metricLines("reloads_total"); err != nil || len(reloads) > 0 {
+		t.Errorf("reloads: %v (%v), want none", reloads, err)
+	}
+	checkWatched(t, watch, acked)
+}
+
+// waitClusterVersion waits until every member reports the cluster version
+// want (etcd's /version), which the leader raises or lowers once every
+// member runs a release that allows it.
+func waitClusterVersion(t testing.TB, c *etcdCluster, want string) {
+	t.Helper()
+	waitUntil(t, 60*time.Second, "cluster version "+want, func() (bool, error) {
+		for _, m := range c.members {
+			resp, err := plainHTTP.Get(m.url + "/version")
+			if err != nil {
+				return false, err
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			var v struct {
+				Cluster string `json:"etcdcluster"`
+			}
+			if err := json.Unmarshal(body, &v); err != nil {
+				return false, fmt.Errorf("%s/version: %w", m.url, err)
+			}
+			if v.Cluster != want {
+				return false, fmt.Errorf("%s: cluster version %q", m.name, v.Cluster)
+			}
+		}
+		return true, nil
+	})
+}
