@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -69,8 +70,18 @@ type MirrorConfig struct {
 	// verify JWTs.
 	JWT      auth.TokenProvider
 	Interval time.Duration // DefaultPollInterval if 0
-	Logger   *zap.Logger
+	// CallTimeout bounds each call of a poll (DefaultCallTimeout if 0).
+	CallTimeout time.Duration
+	Logger      *zap.Logger
 }
+
+// DefaultCallTimeout bounds each call the mirror makes. A call sent to a
+// member that hangs is answered only when gRPC keepalive gives up on it
+// (50 s by default): it would hold the poll, and so the mirror, that long,
+// while the gate trusts no state older than MaxMirrorAge. Bounded, the
+// next poll goes to a member that answers (a hung one is avoided within
+// 4 s). 3 s is far above an AuthStatus's raft round trip.
+const DefaultCallTimeout = 3 * time.Second
 
 // Mirror follows etcd's auth state: whether auth is enabled, from
 // AuthStatus (which needs no permission), and a Checker of the users, roles
@@ -105,19 +116,20 @@ func NewMirror(cfg MirrorConfig) *Mirror {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
+	if cfg.CallTimeout <= 0 {
+		cfg.CallTimeout = DefaultCallTimeout
+	}
+	cfg.Auth = boundedAuth{AuthClient: cfg.Auth, timeout: cfg.CallTimeout}
 	m := &Mirror{cfg: cfg, kick: make(chan struct{}, 1), knownc: make(chan struct{}), changed: make(chan struct{})}
+	// The shared AuthStatus is bounded as every call of the mirror is:
+	// while etcd is unreachable a call waits for the connection, and the
+	// readers queued behind it would wait too; they give up earlier with
+	// their own contexts.
 	m.status = coalesce.New(func(ctx context.Context) (*pb.AuthStatusResponse, error) {
-		ctx, cancel := context.WithTimeout(ctx, statusTimeout)
-		defer cancel()
 		return m.cfg.Auth.AuthStatus(ctx, &pb.AuthStatusRequest{})
 	})
 	return m
 }
-
-// statusTimeout bounds one shared AuthStatus: while etcd is unreachable a
-// call waits for the connection, and the readers queued behind it would
-// wait too; they give up earlier with their own contexts.
-const statusTimeout = 3 * time.Second
 
 // Run polls etcd's auth status until ctx is done, and reads the users and
 // roles again whenever the auth revision moves. It owns the shared
@@ -149,7 +161,9 @@ func (m *Mirror) poll(ctx context.Context) {
 	m.mu.Unlock()
 	if m.cfg.EnabledProbe != nil && (!known || !enabled) {
 		sent := time.Now()
-		on, err := m.cfg.EnabledProbe(ctx)
+		pctx, cancel := context.WithTimeout(ctx, m.cfg.CallTimeout)
+		on, err := m.cfg.EnabledProbe(pctx)
+		cancel()
 		if err != nil {
 			return // unknown: try again at the next poll
 		}
@@ -350,4 +364,40 @@ func (m *Mirror) poke() {
 	case m.kick <- struct{}{}:
 	default:
 	}
+}
+
+// boundedAuth gives each of the mirror's calls at most timeout.
+type boundedAuth struct {
+	pb.AuthClient
+	timeout time.Duration
+}
+
+func (a boundedAuth) AuthStatus(ctx context.Context, r *pb.AuthStatusRequest, opts ...grpc.CallOption) (*pb.AuthStatusResponse, error) {
+	ctx, cancel := context.WithTimeout(ctx, a.timeout)
+	defer cancel()
+	return a.AuthClient.AuthStatus(ctx, r, opts...)
+}
+
+func (a boundedAuth) UserList(ctx context.Context, r *pb.AuthUserListRequest, opts ...grpc.CallOption) (*pb.AuthUserListResponse, error) {
+	ctx, cancel := context.WithTimeout(ctx, a.timeout)
+	defer cancel()
+	return a.AuthClient.UserList(ctx, r, opts...)
+}
+
+func (a boundedAuth) UserGet(ctx context.Context, r *pb.AuthUserGetRequest, opts ...grpc.CallOption) (*pb.AuthUserGetResponse, error) {
+	ctx, cancel := context.WithTimeout(ctx, a.timeout)
+	defer cancel()
+	return a.AuthClient.UserGet(ctx, r, opts...)
+}
+
+func (a boundedAuth) RoleList(ctx context.Context, r *pb.AuthRoleListRequest, opts ...grpc.CallOption) (*pb.AuthRoleListResponse, error) {
+	ctx, cancel := context.WithTimeout(ctx, a.timeout)
+	defer cancel()
+	return a.AuthClient.RoleList(ctx, r, opts...)
+}
+
+func (a boundedAuth) RoleGet(ctx context.Context, r *pb.AuthRoleGetRequest, opts ...grpc.CallOption) (*pb.AuthRoleGetResponse, error) {
+	ctx, cancel := context.WithTimeout(ctx, a.timeout)
+	defer cancel()
+	return a.AuthClient.RoleGet(ctx, r, opts...)
 }

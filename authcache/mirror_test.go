@@ -152,3 +152,25 @@ func (e *enabledAuth) AuthStatus(ctx context.Context, r *pb.AuthStatusRequest, o
 	}
 	return &pb.AuthStatusResponse{Enabled: true, AuthRevision: 3}, nil
 }
+
+// TestMirrorPollGivesUpOnAHungMember: a poll whose call is not answered
+// (sent to a member that hangs) gives up after CallTimeout, so that the
+// next poll, which the balancer sends to a member that answers, keeps the
+// mirror fresh; unbounded, it would wait for gRPC keepalive (50 s).
+func TestMirrorPollGivesUpOnAHungMember(t *testing.T) {
+	etcd := newSlowEtcd()
+	m := authcache.NewMirror(authcache.MirrorConfig{Auth: etcd, EnabledProbe: etcd.probe, Interval: time.Millisecond, CallTimeout: 50 * time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() { m.Run(ctx) })
+	defer func() {
+		cancel()
+		wg.Wait()
+	}()
+	// The first probe hangs; the mirror must probe again without it being
+	// answered.
+	<-etcd.probed
+	<-etcd.probed
+	etcd.releaseProbe <- struct{}{}
+	<-m.Known()
+}

@@ -24,6 +24,12 @@ func etcdctlBinary(tb testing.TB) string {
 	return requireBinary(tb, "ETCDCTL_BIN", "../../.tools/bin/etcdctl", "build it with `make tools-etcd` (tools/build.sh etcd)")
 }
 
+// etcd36Binary is $ETCD36_BIN, else the etcd 3.6 that tools/build.sh
+// builds beside 3.7's: the downgrade-upgrade phase runs it.
+func etcd36Binary(tb testing.TB) string {
+	return requireBinary(tb, "ETCD36_BIN", "../../.tools/bin/etcd-3.6", "build it with `make tools-etcd` (tools/build.sh etcd)")
+}
+
 // etcdCluster is BenchmarkControlPlane's etcd: one member or several, each
 // a process of its own on loopback, with a static --initial-cluster. The
 // maintenance phases stop, restart, hang, replace and cut off its members,
@@ -47,6 +53,7 @@ type etcdMember struct {
 	dir      string // the member's directory: its logs, and data/
 	peer     string
 	gen      int              // processes started so far
+	bin      string           // the etcd binary its next process runs; "": etcdBinary's
 	cli      *clientv3.Client // to this member alone, never through relay
 	relay    *testsupport.Relay
 	cpuDone  time.Duration      // the CPU of its exited processes
@@ -114,7 +121,11 @@ func (m *etcdMember) launch(tb testing.TB, c *etcdCluster, initialCluster, state
 		name = fmt.Sprintf("%s.%d", name, m.gen)
 	}
 	m.gen++
-	m.child = startChild(tb, name, m.dir, etcdBinary(tb), append(args, c.extra...))
+	bin := m.bin
+	if bin == "" {
+		bin = etcdBinary(tb)
+	}
+	m.child = startChild(tb, name, m.dir, bin, append(args, c.extra...))
 }
 
 // waitServes waits until member m answers a serializable read: it is up,
@@ -298,16 +309,23 @@ func (m *etcdMember) signal(tb testing.TB, sig syscall.Signal) {
 // returns its output.
 func (c *etcdCluster) etcdctl(tb testing.TB, pki *mtlsPKI, endpoint string, args ...string) string {
 	tb.Helper()
+	out, err := c.tryEtcdctl(tb, pki, endpoint, args...)
+	if err != nil {
+		tb.Fatalf("etcdctl %s: %v: %s", strings.Join(args, " "), err, out)
+	}
+	return out
+}
+
+// tryEtcdctl is etcdctl, returning its failure.
+func (c *etcdCluster) tryEtcdctl(tb testing.TB, pki *mtlsPKI, endpoint string, args ...string) (string, error) {
+	tb.Helper()
 	full := []string{"--endpoints=" + endpoint, "--command-timeout=2m"}
 	if pki != nil {
 		full = append(full, pki.upstream()...)
 	}
 	full = append(full, args...)
 	out, err := exec.Command(etcdctlBinary(tb), full...).CombinedOutput()
-	if err != nil {
-		tb.Fatalf("etcdctl %s: %v: %s", strings.Join(args, " "), err, out)
-	}
-	return string(out)
+	return string(out), err
 }
 
 // replace replaces member m, lost with its data, as an operator does: it

@@ -55,6 +55,7 @@ var cpPhaseTable = []cpPhaseDef{
 	{name: "hung-watch-member", minMembers: 3, fault: faultHungWatchMember},
 	{name: "lost-member", minMembers: 3, fault: faultLostMember},
 	{name: "cut-connection", minMembers: 1, fault: faultCutConnection},
+	{name: "downgrade-upgrade", minMembers: 1, fault: faultDowngradeUpgrade},
 }
 
 // cpPhaseNames lists the phases, for the flag's usage.
@@ -304,10 +305,10 @@ func (c *etcdCluster) watchStreams(tb testing.TB) memberCounts {
 // each member's own). Through the proxy, that is the member of the
 // proxy's upstream watch (the kube-apiservers there reach no member, and
 // the benchmark's own clients do not watch); direct, the member most of
-// the kube-apiservers' watches are on. The proxy does not say which
-// member its watch is on (/proxy/status lists its endpoints alone), and
-// etcd's count says it for both sides alike.
-func faultHungWatchMember(cp *controlPlane, b *testing.B, _ string) string {
+// the kube-apiservers' watches are on. etcd's count says it for both
+// sides alike; through the proxy, the fault line adds the member the
+// proxy names (/proxy/status's upstream_watch_member), which should agree.
+func faultHungWatchMember(cp *controlPlane, b *testing.B, side string) string {
 	streams := cp.etcd.watchStreams(b)
 	most := 0
 	for i, n := range streams.n {
@@ -317,9 +318,13 @@ func faultHungWatchMember(cp *controlPlane, b *testing.B, _ string) string {
 	}
 	pick := cp.etcd.members[most]
 	leader := cp.etcd.leader(b)
+	named := ""
+	if side == "proxy" && len(cp.proxies) > 0 {
+		named = fmt.Sprintf("; the proxy's upstream watch on %s", cp.proxies[0].status(b).UpstreamWatchMember)
+	}
 	cp.hang(b, pick)
 	cp.etcd.waitHealthy(b, *cpTimeout)
-	return fmt.Sprintf("%s stopped %v (watch streams %s; it led: %v)", pick.name, hangFor, streams, pick == leader)
+	return fmt.Sprintf("%s (%s) stopped %v (watch streams %s%s; it led: %v)", pick.name, strings.TrimPrefix(pick.endpoint, "https://"), hangFor, streams, named, pick == leader)
 }
 
 // faultLostMember loses a follower with its disk and replaces it
@@ -403,4 +408,57 @@ func TestErrorsByVerb(t *testing.T) {
 	if got := (counters{}).errorsByVerb(); got != "-" {
 		t.Errorf("errorsByVerb of none = %q, want -", got)
 	}
+}
+
+// faultDowngradeUpgrade downgrades the cluster from 3.7 to 3.6 by etcd's
+// procedure (`etcdctl downgrade validate` and `enable`, every member's
+// storage version down to 3.6, then each member restarted on the 3.6
+// binary in turn), then upgrades it back (each member restarted on 3.7's
+// in turn), and waits until the cluster version is 3.7 again, so that the
+// other side's pass can do the same.
+func faultDowngradeUpgrade(cp *controlPlane, b *testing.B, _ string) string {
+	etcd36, etcd37 := etcd36Binary(b), etcdBinary(b)
+	leader := cp.etcd.leader(b)
+	cp.etcd.etcdctl(b, cp.pki, leader.endpoint, "downgrade", "validate", "3.6")
+	cp.etcd.etcdctl(b, cp.pki, leader.endpoint, "downgrade", "enable", "3.6")
+	start := time.Now()
+	testsupport.Poll(b, *cpTimeout, 100*time.Millisecond, "every member's storage version at 3.6", func() (bool, error) {
+		for _, m := range cp.etcd.members {
+			st, err := m.status()
+			if err != nil {
+				return false, err
+			}
+			if st.StorageVersion != "3.6.0" {
+				return false, fmt.Errorf("%s: storage version %q", m.name, st.StorageVersion)
+			}
+		}
+		return true, nil
+	})
+	storage := time.Since(start)
+	roll := func(bin string) string {
+		var took []string
+		for _, m := range cp.etcd.members {
+			start := time.Now()
+			m.bin = bin
+			cp.etcd.restart(b, m)
+			cp.sampler.setEtcd(cp.etcd.pids())
+			cp.etcd.waitHealthy(b, *cpTimeout)
+			took = append(took, fmt.Sprintf("%s %.1fs", m.name, time.Since(start).Seconds()))
+		}
+		return strings.Join(took, ", ")
+	}
+	down := roll(etcd36)
+	up := roll(etcd37)
+	for _, m := range cp.etcd.members {
+		m.bin = ""
+	}
+	// The leader raises the cluster version once every member runs 3.7;
+	// until it has, a downgrade to 3.6 is refused.
+	start = time.Now()
+	testsupport.Poll(b, *cpTimeout, 500*time.Millisecond, "the cluster version back at 3.7", func() (bool, error) {
+		out, err := cp.etcd.tryEtcdctl(b, cp.pki, cp.etcd.leader(b).endpoint, "downgrade", "validate", "3.6")
+		return err == nil, fmt.Errorf("%v: %s", err, out)
+	})
+	return fmt.Sprintf("storage versions at 3.6 in %.1fs; members on 3.6: %s; back on 3.7: %s; cluster version 3.7 after %.1fs",
+		storage.Seconds(), down, up, time.Since(start).Seconds())
 }

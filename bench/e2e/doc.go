@@ -149,9 +149,9 @@
 //     (SIGSTOP) for 15 s, then continued (SIGCONT). hung-watch-member: the
 //     same for the member with the most watch streams
 //     (etcd_debugging_mvcc_watch_stream_total, each member's): through the
-//     proxy, the member of the proxy's upstream watch (the proxy does not
-//     say which member it is on, and its kube-apiservers reach no member);
-//     direct, the member of most of the kube-apiservers' watches.
+//     proxy, the member of the proxy's upstream watch (its kube-apiservers
+//     reach no member; the fault line adds the member /proxy/status
+//     names); direct, the member of most of the kube-apiservers' watches.
 //     lost-member: a follower (not the one behind cut-connection's relay)
 //     killed (SIGKILL) with its data, then replaced as operators do
 //     (`etcdctl member remove`, its data wiped, `etcdctl member add`,
@@ -164,7 +164,12 @@
 //     (testsupport.Relay; the benchmark's own clients reach every member
 //     directly), and the relay holds up every byte both ways for 20 s
 //     without closing anything (Stall), as a link that drops every packet
-//     does, then lets them through. A maintenance phase lasts until the
+//     does, then lets them through. downgrade-upgrade: etcd's downgrade
+//     procedure from 3.7 to 3.6 (`etcdctl downgrade validate 3.6` and
+//     `enable 3.6`, every member's storage version at 3.6, then each member
+//     restarted on etcd-3.6 from tools/build.sh in turn, as rolling-restart
+//     does), then each member restarted on 3.7 in turn, until the cluster
+//     version is 3.7 again. A maintenance phase lasts until the
 //     fault is undone and the cluster healthy, then as a restart phase:
 //     until every kube-apiserver is ready and every informer has caught
 //     up, then -snapcache.e2e.cp-settle. Its SUMMARY has a "fault" line
@@ -340,7 +345,7 @@
 //	make bench-e2e BENCH='Linearizable|Watch|Paginated|Historical|KubeList' BENCHTIME=1x BENCH_E2E_FLAGS=-snapcache.e2e.tls
 //	make bench-e2e BENCH=ControlPlane
 //	make bench-e2e BENCH=ControlPlane BENCH_E2E_FLAGS=-snapcache.e2e.tls
-//	make bench-e2e BENCH=ControlPlane BENCH_E2E_FLAGS=-snapcache.e2e.cp-phases=steady,rolling-restart,defrag,move-leader,hung-leader,hung-watch-member,lost-member,cut-connection
+//	make bench-e2e BENCH=ControlPlane BENCH_E2E_FLAGS=-snapcache.e2e.cp-phases=steady,rolling-restart,defrag,move-leader,hung-leader,hung-watch-member,lost-member,cut-connection,downgrade-upgrade
 //
 // Flags: the throughput benchmarks' -snapcache.e2e.rounds, .round,
 // .maxops, .conns, .op-timeout, .auth, .tls, .get-clients, .get-keys,
