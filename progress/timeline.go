@@ -67,6 +67,11 @@ type timeline struct {
 	// done; while it is, signs are not looked for (the old timeline's
 	// answers and the new one's mix).
 	pending atomic.Bool
+	// compactAtChange is the store's compaction revision as the epoch last
+	// moved: the reload that follows drops the store, and a watch stream
+	// may end after that, its watchers still owed etcd's compaction
+	// revision.
+	compactAtChange atomic.Int64
 
 	mu sync.Mutex
 	// Guarded by mu.
@@ -113,6 +118,11 @@ func (f *Follower) Epoch() (uint64, <-chan struct{}) {
 	return f.timeline.epoch.Load(), ch
 }
 
+// CompactRevAtEpochChange is the store's compaction revision when the
+// epoch last moved (0 if it never has): what a watcher ended for the
+// change is owed if the store has since been dropped for the reload.
+func (f *Follower) CompactRevAtEpochChange() int64 { return f.timeline.compactAtChange.Load() }
+
 // observeHeader records an upstream header, and looks for a sign of
 // another history in it.
 func (f *Follower) observeHeader(h *pb.ResponseHeader) {
@@ -146,6 +156,7 @@ func (f *Follower) timelineChanged(sign string, detail error) {
 	}
 	f.life.reloading()
 	f.verified.Store(0)
+	f.timeline.compactAtChange.Store(f.store.CompactRev())
 	f.timeline.epoch.Add(1)
 	f.timeline.changed.Notify()
 	f.changes.Notify()

@@ -101,6 +101,8 @@ func (f *fakeFollower) Epoch() (uint64, <-chan struct{}) {
 	return f.epoch, f.epochMoved
 }
 
+func (f *fakeFollower) CompactRevAtEpochChange() int64 { return 0 }
+
 // fakeConsistency is a consistency checker whose checks fail on demand.
 type fakeConsistency struct {
 	fallback atomic.Bool

@@ -58,6 +58,9 @@ type Follower interface {
 	// channel closed when it moves: etcd was restored or replaced, and
 	// every watch of an older epoch must end.
 	Epoch() (uint64, <-chan struct{})
+	// CompactRevAtEpochChange is the store's compaction revision as the
+	// epoch last moved, before the reload that follows dropped it.
+	CompactRevAtEpochChange() int64
 }
 
 // Store is what the Watch service reads of the cache's event history

@@ -145,10 +145,10 @@ func (st *stream) run() error {
 	go st.recvLoop()
 	for {
 		if st.s.consistency.Fallback() || st.s.consistency.Failures() != st.inconsistencies {
-			return st.endRelist("the cache was found inconsistent with etcd", errInconsistent)
+			return st.endRelist("the cache was found inconsistent with etcd", errInconsistent, 0)
 		}
 		if epoch, _ := st.s.follower.Epoch(); epoch != st.epoch {
-			return st.endRelist("etcd's history changed (restored from a snapshot, or another cluster)", errTimeline)
+			return st.endRelist("etcd's history changed (restored from a snapshot, or another cluster)", errTimeline, st.s.follower.CompactRevAtEpochChange())
 		}
 		more, err := st.deliver()
 		if err != nil {
@@ -373,15 +373,16 @@ func (st *stream) cancelFailed(w *watcher, reason string) error {
 // fallback lasts (Server.Watch relays it).
 //
 // compact_revision is the watcher's next revision (or etcd's compaction
-// revision, if higher): nonzero, as clients require, and a client that
-// watches again from it misses nothing.
-func (st *stream) endRelist(why string, err error) error {
+// revision, if higher: the store's, or compactRev, what the store had
+// before a reload dropped it): nonzero, as clients require, and a client
+// that watches again from it misses nothing.
+func (st *stream) endRelist(why string, err error, compactRev int64) error {
 	n := 0
 	for _, w := range st.watchers {
 		if w.compacted {
 			continue
 		}
-		if err := st.cancelCompacted(w, max(w.nextRev, st.s.store.CompactRev())); err != nil {
+		if err := st.cancelCompacted(w, max(w.nextRev, st.s.store.CompactRev(), compactRev)); err != nil {
 			return err
 		}
 		n++
