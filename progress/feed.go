@@ -207,8 +207,7 @@ func (f *Follower) loadKeyspace(ctx context.Context, at *pb.ResponseHeader, hist
 	// The release decides how some reads are answered: read it before the
 	// store can serve. A failure leaves it unknown, and the version
 	// tracker retries.
-	f.version.refresh(ctx)
-	if err := checkRelease(f.upstream.getVersion()); err != nil {
+	if err := checkRelease(f.version.refresh(ctx)); err != nil {
 		return err
 	}
 	if f.timeline.pending.Load() {

@@ -103,10 +103,17 @@ type versionTracker struct {
 	mixed   func() (bool, <-chan struct{})
 	lg      *zap.Logger
 	recheck chan struct{} // buffered 1: the connection was re-established
+
+	mu sync.Mutex // held by refresh throughout
+	// changed is guarded by mu: mixed's channel, taken by the latest
+	// refresh (or at construction). run waits on it; as every change
+	// closes the channels handed out before it, a channel taken at or
+	// before the latest read of mixed misses no change.
+	changed <-chan struct{}
 }
 
 func newVersionTracker(state *upstreamState, mt pb.MaintenanceClient, lg *zap.Logger) *versionTracker {
-	return &versionTracker{
+	v := &versionTracker{
 		state: state,
 		status: func(ctx context.Context) (*pb.StatusResponse, error) {
 			return mt.Status(ctx, &pb.StatusRequest{})
@@ -115,6 +122,10 @@ func newVersionTracker(state *upstreamState, mt pb.MaintenanceClient, lg *zap.Lo
 		lg:      lg,
 		recheck: make(chan struct{}, 1),
 	}
+	// run may wait before the first refresh has run: an older channel is
+	// closed at the next change too.
+	_, v.changed = v.mixed()
+	return v
 }
 
 // reconnected has the release read again: the member that answers now may
@@ -127,8 +138,17 @@ func (v *versionTracker) reconnected() {
 	}
 }
 
-// refresh reads the release once; it reports whether it succeeded.
-func (v *versionTracker) refresh(ctx context.Context) bool {
+// refresh reads the release once, and returns the release of the member
+// that answered ("" if none did): what a load checks, even while the
+// members differ and the release the readers see is unknown.
+func (v *versionTracker) refresh(ctx context.Context) string {
+	// Serialized, so that the last answer read is the one kept, and the
+	// channel run waits on is the one taken before it.
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	// Taken before the Status call, so that a change during it wakes run.
+	mixed, changed := v.mixed()
+	v.changed = changed
 	sctx, cancel := context.WithTimeout(ctx, versionTimeout)
 	st, err := v.status(sctx)
 	cancel()
@@ -137,11 +157,11 @@ func (v *versionTracker) refresh(ctx context.Context) bool {
 		if ctx.Err() == nil {
 			v.lg.Warn("reading etcd's version failed; treating it as unknown", zap.Error(err))
 		}
-		return false
+		return ""
 	}
 	v.state.observe(st.Header)
 	version := st.Version
-	if mixed, _ := v.mixed(); mixed {
+	if mixed {
 		version = ""
 	}
 	if old := v.state.getVersion(); old != version {
@@ -155,7 +175,14 @@ func (v *versionTracker) refresh(ctx context.Context) bool {
 	if err := checkRelease(st.Version); err != nil && v.unsupported != nil {
 		v.unsupported(err)
 	}
-	return true
+	return st.Version
+}
+
+// changedChan is the channel of the latest refresh's mixed.
+func (v *versionTracker) changedChan() <-chan struct{} {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.changed
 }
 
 // noMixedReleases is mixed for a tracker that does not know the members.
@@ -166,21 +193,18 @@ func noMixedReleases() (bool, <-chan struct{}) { return false, nil }
 func (v *versionTracker) run(ctx context.Context) {
 	bo := backoff.New(versionRetryMin, versionRetryMax)
 	var retry <-chan time.Time
-	// Taken before each refresh, so that a change during it is not missed.
-	_, changed := v.mixed()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-v.recheck:
 			bo.Reset()
-		case <-changed:
+		case <-v.changedChan():
 			bo.Reset()
 		case <-retry:
 		}
 		retry = nil
-		_, changed = v.mixed()
-		if !v.refresh(ctx) && ctx.Err() == nil {
+		if v.refresh(ctx) == "" && ctx.Err() == nil {
 			retry = time.After(bo.Next())
 		}
 	}

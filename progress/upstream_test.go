@@ -49,7 +49,7 @@ func TestVersionTrackerRetriesAndFollowsReconnects(t *testing.T) {
 	fs := &fakeStatus{called: make(chan struct{}, 100)}
 	v := &versionTracker{state: st, status: fs.status, mixed: noMixedReleases, lg: zaptest.NewLogger(t), recheck: make(chan struct{}, 1)}
 
-	if v.refresh(context.Background()) || st.getVersion() != "" {
+	if v.refresh(context.Background()) != "" || st.getVersion() != "" {
 		t.Fatalf("a failed Status left version %q, want unknown", st.getVersion())
 	}
 
@@ -109,7 +109,7 @@ func TestVersionTrackerUnknownWhileMembersDiffer(t *testing.T) {
 	fs := &fakeStatus{called: make(chan struct{}, 100), version: "3.6.16"}
 	members := &fakeMembers{changed: make(chan struct{})}
 	v := &versionTracker{state: st, status: fs.status, mixed: members.get, lg: zaptest.NewLogger(t), recheck: make(chan struct{}, 1)}
-	if !v.refresh(context.Background()) || st.getVersion() != "3.6.16" {
+	if v.refresh(context.Background()) != "3.6.16" || st.getVersion() != "3.6.16" {
 		t.Fatalf("version %q, want 3.6.16", st.getVersion())
 	}
 

@@ -127,8 +127,7 @@ func (f *Follower) warmStart(ctx context.Context, bo *backoff.Backoff) error {
 	if !f.warm.opened {
 		// The release decides how some reads are answered: as a load,
 		// read it before the store can serve.
-		f.version.refresh(ctx)
-		if err := checkRelease(f.upstream.getVersion()); err != nil {
+		if err := checkRelease(f.version.refresh(ctx)); err != nil {
 			return &loadError{err}
 		}
 		h, ok := f.cfg.Disk.Open(ctx)

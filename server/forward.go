@@ -43,30 +43,37 @@ func withCallerMetadata(ctx context.Context) context.Context {
 	return metadata.NewOutgoingContext(ctx, out)
 }
 
-// proposals are the unary methods etcd answers by a raft proposal, which a
-// follower only forwards to its leader. They go to the leader directly
-// (drain.ToLeader), so that a follower that hangs or is being defragmented
-// does not hold a write the cluster can commit. The Auth service's methods
-// are all proposals.
-var proposals = map[string]bool{
-	"/etcdserverpb.KV/Put":                true,
-	"/etcdserverpb.KV/DeleteRange":        true,
-	"/etcdserverpb.KV/Txn":                true,
-	"/etcdserverpb.KV/Compact":            true,
-	"/etcdserverpb.Lease/LeaseGrant":      true,
-	"/etcdserverpb.Lease/LeaseRevoke":     true,
-	"/etcdserverpb.Cluster/MemberAdd":     true,
-	"/etcdserverpb.Cluster/MemberRemove":  true,
-	"/etcdserverpb.Cluster/MemberUpdate":  true,
-	"/etcdserverpb.Cluster/MemberPromote": true,
+// atLeader are the unary methods etcd answers at its leader: raft
+// proposals (writes, compaction, lease grants and revokes, alarms,
+// downgrades, member changes; the Auth service's methods are all
+// proposals), and the calls a follower forwards to its leader or refuses
+// (lease lookups, MoveLeader). They go to the leader directly
+// (drain.ToLeader), so that a follower that hangs or is being
+// defragmented does not hold a call its leader can answer.
+var atLeader = map[string]bool{
+	"/etcdserverpb.KV/Put":                 true,
+	"/etcdserverpb.KV/DeleteRange":         true,
+	"/etcdserverpb.KV/Txn":                 true,
+	"/etcdserverpb.KV/Compact":             true,
+	"/etcdserverpb.Lease/LeaseGrant":       true,
+	"/etcdserverpb.Lease/LeaseRevoke":      true,
+	"/etcdserverpb.Lease/LeaseTimeToLive":  true,
+	"/etcdserverpb.Lease/LeaseLeases":      true,
+	"/etcdserverpb.Cluster/MemberAdd":      true,
+	"/etcdserverpb.Cluster/MemberRemove":   true,
+	"/etcdserverpb.Cluster/MemberUpdate":   true,
+	"/etcdserverpb.Cluster/MemberPromote":  true,
+	"/etcdserverpb.Maintenance/Alarm":      true,
+	"/etcdserverpb.Maintenance/Downgrade":  true,
+	"/etcdserverpb.Maintenance/MoveLeader": true,
 }
 
-func isProposal(method string) bool {
-	return proposals[method] || strings.HasPrefix(method, "/etcdserverpb.Auth/")
+func answeredAtLeader(method string) bool {
+	return atLeader[method] || strings.HasPrefix(method, "/etcdserverpb.Auth/")
 }
 
 func forwardUnaryMetadata(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-	if isProposal(method) {
+	if answeredAtLeader(method) {
 		ctx = drain.ToLeader(ctx)
 	}
 	return invoker(withCallerMetadata(ctx), method, req, reply, cc, opts...)

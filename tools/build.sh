@@ -3,7 +3,7 @@
 # from the Go module proxy, into .tools/bin (ignored by git):
 #
 #   tools/build.sh etcd    # etcd and etcdctl v3.7.3 (tools/etcd), and the
-#                          # previous release's as etcd-3.6 and etcdctl-3.6
+#                          # previous release's etcd as etcd-3.6
 #                          # (tools/etcd36), for the upgrade tests
 #   tools/build.sh kube    # kube-apiserver v1.37.1 (tools/kube)
 #   tools/build.sh         # both
@@ -65,7 +65,6 @@ build_etcd() {
   "$bin/etcdctl" version | sed -n 1p
   dir=$root/tools/etcd36
   build etcd-3.6 "$dir" go.etcd.io/etcd/server/v3 -trimpath
-  build etcdctl-3.6 "$dir" go.etcd.io/etcd/etcdctl/v3 -trimpath
   "$bin/etcd-3.6" --version | sed -n 1p
 }
 

@@ -413,9 +413,10 @@ func TestErrorsByVerb(t *testing.T) {
 // faultDowngradeUpgrade downgrades the cluster from 3.7 to 3.6 by etcd's
 // procedure (`etcdctl downgrade validate` and `enable`, every member's
 // storage version down to 3.6, then each member restarted on the 3.6
-// binary in turn), then upgrades it back (each member restarted on 3.7's
-// in turn), and waits until the cluster version is 3.7 again, so that the
-// other side's pass can do the same.
+// binary in turn, until the leader ends the downgrade), then upgrades it
+// back (each member restarted on 3.7's in turn), and waits until the
+// cluster version is 3.7 again, so that the other side's pass can do the
+// same.
 func faultDowngradeUpgrade(cp *controlPlane, b *testing.B, _ string) string {
 	etcd36, etcd37 := etcd36Binary(b), etcdBinary(b)
 	leader := cp.etcd.leader(b)
@@ -448,6 +449,21 @@ func faultDowngradeUpgrade(cp *controlPlane, b *testing.B, _ string) string {
 		return strings.Join(took, ", ")
 	}
 	down := roll(etcd36)
+	// The leader ends the downgrade once it sees every member on 3.6
+	// (every 5 s by default); a member back on 3.7 before that would
+	// keep it enabled for good.
+	testsupport.Poll(b, *cpTimeout, 100*time.Millisecond, "the downgrade done", func() (bool, error) {
+		for _, m := range cp.etcd.members {
+			st, err := m.status()
+			if err != nil {
+				return false, err
+			}
+			if st.DowngradeInfo != nil && st.DowngradeInfo.Enabled {
+				return false, fmt.Errorf("%s: downgrade to %s still enabled", m.name, st.DowngradeInfo.TargetVersion)
+			}
+		}
+		return true, nil
+	})
 	up := roll(etcd37)
 	for _, m := range cp.etcd.members {
 		m.bin = ""

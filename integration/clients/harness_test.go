@@ -47,14 +47,10 @@ func etcdctlBin(t testing.TB) string {
 	return binary(t, "ETCDCTL_BIN", "../../.tools/bin/etcdctl", "make tools-etcd` (that is, `tools/build.sh etcd`")
 }
 
-// etcd36Bin and etcdctl36Bin are the previous release's, for the upgrade
-// and downgrade tests.
+// etcd36Bin is the previous release's etcd, for the upgrade and downgrade
+// test.
 func etcd36Bin(t testing.TB) string {
 	return binary(t, "ETCD36_BIN", "../../.tools/bin/etcd-3.6", "make tools-etcd` (that is, `tools/build.sh etcd`")
-}
-
-func etcdctl36Bin(t testing.TB) string {
-	return binary(t, "ETCDCTL36_BIN", "../../.tools/bin/etcdctl-3.6", "make tools-etcd` (that is, `tools/build.sh etcd`")
 }
 
 func snapcacheBin(t testing.TB) string {

@@ -125,9 +125,9 @@ func Avoid(ctx context.Context, member string) context.Context {
 type leaderKey struct{}
 
 // ToLeader returns a context whose calls are picked on the member that
-// last said, in answer to its probe, that it is etcd's leader, while that
-// member is READY, answers its probes and is not avoided; otherwise they
-// are picked as without it. It is for proposals (writes, lease grants):
+// last said, in answer to its probe, that it is etcd's leader (at the
+// highest raft term, if two say so), while that member is READY, answers
+// its probes and is not avoided; otherwise they are picked as without it. It is for proposals (writes, lease grants):
 // a follower only forwards them to the leader, so a write sent to a
 // follower that hangs (or that is being defragmented) waits out its
 // caller's deadline although the cluster can commit it; sent to the leader
@@ -323,11 +323,12 @@ func (p *picker) Pick(info balancer.PickInfo) (balancer.PickResult, error) {
 var errSkipped = errors.New("drain: pick skipped for a member that answers, or is not avoided")
 
 // pickResponsive picks as round_robin does, and picks again while a
-// better subchannel is READY: one that answers its probes and is not to
-// the member the call's context avoids, else one that answers its probes.
-// round_robin's picker takes its READY subchannels in turn, so as many
-// picks as there are subchannels reach every one; if none is better the
-// first pick stands.
+// better subchannel is READY: for a call from ToLeader, the leader's (see
+// leader); else one that answers its probes and is not to the member the
+// call's context avoids; else one that answers its probes. round_robin's
+// picker takes its READY subchannels in turn, so as many picks as there
+// are subchannels reach every one; if none is better the first pick
+// stands, or the first that answers and is not avoided, if one did.
 func (p *picker) pickResponsive(info balancer.PickInfo) (balancer.PickResult, *subConn, error) {
 	res, err := p.Picker.Pick(info)
 	if err != nil {
@@ -338,35 +339,55 @@ func (p *picker) pickResponsive(info balancer.PickInfo) (balancer.PickResult, *s
 		return res, sc, nil
 	}
 	avoid, _ := info.Ctx.Value(avoidKey{}).(string)
-	toLeader := info.Ctx.Value(leaderKey{}) != nil && p.cc.leaderReady(avoid)
-	want := func(sc *subConn) bool {
-		return sc.isResponsive() && sc.addr != avoid && (!toLeader || sc.isLeader())
+	usable := func(sc *subConn) bool { return sc.isResponsive() && sc.addr != avoid }
+	want := usable
+	if info.Ctx.Value(leaderKey{}) != nil {
+		if leader := p.cc.leader(avoid); leader != "" {
+			want = func(sc *subConn) bool { return sc.addr == leader && sc.isResponsive() }
+		}
 	}
 	switch {
 	case want(sc):
 		return res, sc, nil
-	case toLeader, p.cc.anyResponsive(avoid):
+	case p.cc.anyResponsive(avoid):
 	case !sc.isResponsive() && p.cc.anyResponsive(""):
 		// Only the avoided member answers: better it than a hung one.
-		want = (*subConn).isResponsive
+		want, usable = (*subConn).isResponsive, (*subConn).isResponsive
 	default:
 		return res, sc, nil
 	}
+	var fallback *balancer.PickResult
+	var fallbackSC *subConn
 	for range p.cc.count() {
 		again, err := p.Picker.Pick(info)
 		if err != nil {
 			break
 		}
 		asc := p.cc.tracked(again.SubConn)
-		if asc != nil && want(asc) {
+		switch {
+		case asc != nil && want(asc):
+			if fallback != nil && fallback.Done != nil {
+				fallback.Done(balancer.DoneInfo{Err: errSkipped})
+			}
 			if res.Done != nil {
 				res.Done(balancer.DoneInfo{Err: errSkipped})
 			}
 			return again, asc, nil
+		case asc != nil && fallback == nil && usable(asc) && !usable(sc):
+			// Better than the first pick, if the wanted one is not
+			// in this picker (round_robin has not seen it READY yet).
+			fallback, fallbackSC = &again, asc
+		default:
+			if again.Done != nil {
+				again.Done(balancer.DoneInfo{Err: errSkipped})
+			}
 		}
-		if again.Done != nil {
-			again.Done(balancer.DoneInfo{Err: errSkipped})
+	}
+	if fallback != nil {
+		if res.Done != nil {
+			res.Done(balancer.DoneInfo{Err: errSkipped})
 		}
+		return *fallback, fallbackSC, nil
 	}
 	return res, sc, nil
 }
@@ -398,15 +419,22 @@ func (c *clientConn) anyResponsive(except string) bool {
 	return false
 }
 
-// leaderReady reports whether a subchannel to a member other than except
-// is READY and responsive and its member said it is the leader.
-func (c *clientConn) leaderReady(except string) bool {
+// leader returns the address of the member other than except whose
+// subchannel is READY and responsive and whose latest status says it leads
+// at the highest raft term among such claims, or "" if none does. The
+// highest term wins so that proposals move to a newly elected leader at
+// its first probe, while the old one, hung, still looks responsive.
+func (c *clientConn) leader(except string) string {
+	best, term := "", uint64(0)
 	for _, sc := range c.all() {
-		if sc.addr != except && sc.readyAndResponsive() && sc.isLeader() {
-			return true
+		if sc.addr == except || !sc.readyAndResponsive() {
+			continue
+		}
+		if st, ok := statusOf(sc.addr); ok && st.leader && (best == "" || st.term > term) {
+			best, term = sc.addr, st.term
 		}
 	}
-	return false
+	return best
 }
 
 // moveOffUnresponsive ends the streams from Context on unresponsive
@@ -470,15 +498,26 @@ func (sc *subConn) setResponsive(ok bool) bool {
 // memberStatus is what a member's latest answer to a probe said.
 type memberStatus struct {
 	leader  bool   // it is etcd's leader
+	term    uint64 // its raft term
 	release string // its release's major.minor ("3.7")
 }
 
 // statuses holds, per member address, its latest answer to a probe on any
-// connection of the process. It is process-wide because etcd refuses
-// Status on a connection without a user while auth is on (the forwarding
-// one without --user): that connection's proposals go where the proxy's
-// own connection's probes found the leader.
+// connection of the process, while some connection is READY to it (a
+// member that comes back may run another release, or no longer lead). It
+// is process-wide because etcd refuses Status on a connection without a
+// user while auth is on (the forwarding one without --user): that
+// connection's proposals go where the proxy's own connection's probes
+// found the leader.
 var statuses sync.Map // member address → memberStatus
+
+func statusOf(addr string) (memberStatus, bool) {
+	st, ok := statuses.Load(addr)
+	if !ok {
+		return memberStatus{}, false
+	}
+	return st.(memberStatus), true
+}
 
 // noteStatus records a member's answer.
 func noteStatus(addr string, st memberStatus) {
@@ -486,11 +525,6 @@ func noteStatus(addr string, st memberStatus) {
 	if !loaded || old.(memberStatus).release != st.release {
 		updateReleases()
 	}
-}
-
-func (sc *subConn) isLeader() bool {
-	st, _ := statuses.Load(sc.addr)
-	return st != nil && st.(memberStatus).leader
 }
 
 func (sc *subConn) isResponsive() bool {

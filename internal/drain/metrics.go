@@ -91,12 +91,14 @@ func untrack(c *clientConn) {
 	live.mu.Lock()
 	delete(live.conns, c)
 	live.mu.Unlock()
+	updateReleases()
 }
 
 // releases says whether the members some connection of the process is
 // READY to run different etcd releases (major.minor), as their latest
 // answers to the probes say: true during a rolling upgrade or downgrade.
 var releases = struct {
+	update  sync.Mutex // held by updateReleases throughout; before mu
 	mu      sync.Mutex
 	mixed   bool          // guarded by mu
 	changed chan struct{} // guarded by mu; closed, and replaced, when mixed changes
@@ -110,13 +112,26 @@ func MixedReleases() (mixed bool, changed <-chan struct{}) {
 	return releases.mixed, releases.changed
 }
 
-// updateReleases recomputes releases.mixed from the READY members'
-// statuses; it runs when a member's release or the READY set changes.
+// updateReleases forgets the statuses of members no connection is READY
+// to, and recomputes releases.mixed from the READY members' statuses; it
+// runs when a member's release or the READY set changes. A READY member
+// whose probe has not answered yet does not count.
 func updateReleases() {
+	// Held from the snapshot to the publication, so that two updates
+	// cannot publish in the wrong order.
+	releases.update.Lock()
+	defer releases.update.Unlock()
+	ready := members()
+	statuses.Range(func(addr, _ any) bool {
+		if _, ok := ready[addr.(string)]; !ok {
+			statuses.Delete(addr)
+		}
+		return true
+	})
 	seen := map[string]bool{}
-	for addr := range members() {
-		if st, ok := statuses.Load(addr); ok && st.(memberStatus).release != "" {
-			seen[st.(memberStatus).release] = true
+	for addr := range ready {
+		if st, ok := statusOf(addr); ok && st.release != "" {
+			seen[st.release] = true
 		}
 	}
 	mixed := len(seen) > 1

@@ -165,9 +165,10 @@ func TestPickerSendsProposalsToTheLeader(t *testing.T) {
 	if got := picks(Avoid(toLeader, "leader-b")); strings.Contains(got, "leader-b") {
 		t.Fatalf("with the leader avoided: picks %q", got)
 	}
-	// A new leader is elected.
-	statuses.Store("leader-b", memberStatus{leader: false})
-	statuses.Store("leader-c", memberStatus{leader: true})
+	// A new leader is elected while the old one, hung but not yet found
+	// so, still says it leads: the higher term wins.
+	statuses.Store("leader-b", memberStatus{leader: true, term: 2})
+	statuses.Store("leader-c", memberStatus{leader: true, term: 3})
 	if got := picks(toLeader); got != "leader-c leader-c leader-c" {
 		t.Fatalf("after an election: picks %q", got)
 	}
@@ -221,5 +222,28 @@ func TestMixedReleases(t *testing.T) {
 	}
 	if m, _ := MixedReleases(); m {
 		t.Fatal("mixed with only a 3.7 member READY")
+	}
+}
+
+// TestPickerFallsBackWhenTheLeaderIsNotInThePicker: round_robin's picker
+// may not hold the leader's subchannel yet (it has not seen it READY); a
+// proposal then goes to a member that answers, not to a hung first pick.
+func TestPickerFallsBackWhenTheLeaderIsNotInThePicker(t *testing.T) {
+	_, p, scs := fakeConn("fb-a", "fb-b", "fb-c")
+	for n := range scs {
+		t.Cleanup(func() { statuses.Delete(n) })
+	}
+	inner := p.Picker.(*cycling)
+	inner.subConns = inner.subConns[:2] // without fb-c
+	statuses.Store("fb-c", memberStatus{leader: true, term: 2})
+	scs["fb-a"].setResponsive(false)
+	for range 4 {
+		res, err := p.Pick(balancer.PickInfo{Ctx: ToLeader(context.Background())})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := res.SubConn.(*fakeSubConn).name; got != "fb-b" {
+			t.Fatalf("picked %s, want fb-b, the one that answers", got)
+		}
 	}
 }

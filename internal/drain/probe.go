@@ -99,8 +99,11 @@ func (p *prober) run(ctx context.Context, m pb.MaintenanceClient) {
 // connection without a user (the forwarding one without --user) is refused
 // with "user name is empty", which etcd does not log. A token etcd no
 // longer knows (etcd restarted) makes etcd log "invalid auth token" for
-// each probe until clientv3 authenticates again, which the proxy's next
-// call on that connection does: the auth mirror's twice a second.
+// each probe until clientv3 authenticates again, which it does when a call
+// of that connection that reaches the member is refused for it (the
+// compaction probe's reads, every second, are spread over the members).
+// Meanwhile the member counts as answering, and its leadership and
+// release are unknown.
 func probe(ctx context.Context, m pb.MaintenanceClient, addr string) bool {
 	pctx, cancel := context.WithTimeout(ctx, ProbeTimeout)
 	defer cancel()
@@ -108,10 +111,11 @@ func probe(ctx context.Context, m pb.MaintenanceClient, addr string) bool {
 	if err != nil {
 		return !errors.Is(pctx.Err(), context.DeadlineExceeded)
 	}
-	noteStatus(addr, memberStatus{
-		leader:  st.Header != nil && st.Leader != 0 && st.Leader == st.Header.MemberId,
-		release: majorMinor(st.Version),
-	})
+	ms := memberStatus{release: majorMinor(st.Version), term: st.RaftTerm}
+	if st.Header != nil {
+		ms.leader = st.Leader != 0 && st.Leader == st.Header.MemberId
+	}
+	noteStatus(addr, ms)
 	return true
 }
 
