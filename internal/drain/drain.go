@@ -31,9 +31,11 @@
 // Its next answer makes it responsive again. A member that hangs is avoided
 // within ProbeInterval+ProbeTimeout (4 s) of its last answer.
 //
-// A Status answer also says whether the member leads: calls with a context
-// from ToLeader (proposals: writes, lease grants) go to the leader while
-// it answers, so that a follower that hangs holds none of them.
+// A Status answer also says whether the member leads, and its release:
+// calls with a context from ToLeader (proposals: writes, lease grants) go
+// to the leader while it answers, so that a follower that hangs holds none
+// of them; and MixedReleases says when the members run different releases
+// (a rolling upgrade or downgrade).
 //
 // Status is answered by the member itself, without raft: it reads raft's
 // in-memory state, and the storage version under the backend's read lock.
