@@ -372,32 +372,29 @@ type boundedAuth struct {
 	timeout time.Duration
 }
 
-func (a boundedAuth) AuthStatus(ctx context.Context, r *pb.AuthStatusRequest, opts ...grpc.CallOption) (*pb.AuthStatusResponse, error) {
-	ctx, cancel := context.WithTimeout(ctx, a.timeout)
+// within makes call with at most d of ctx.
+func within[Req, Resp any](ctx context.Context, d time.Duration, call func(context.Context, Req, ...grpc.CallOption) (Resp, error), r Req, opts []grpc.CallOption) (Resp, error) {
+	ctx, cancel := context.WithTimeout(ctx, d)
 	defer cancel()
-	return a.AuthClient.AuthStatus(ctx, r, opts...)
+	return call(ctx, r, opts...)
+}
+
+func (a boundedAuth) AuthStatus(ctx context.Context, r *pb.AuthStatusRequest, opts ...grpc.CallOption) (*pb.AuthStatusResponse, error) {
+	return within(ctx, a.timeout, a.AuthClient.AuthStatus, r, opts)
 }
 
 func (a boundedAuth) UserList(ctx context.Context, r *pb.AuthUserListRequest, opts ...grpc.CallOption) (*pb.AuthUserListResponse, error) {
-	ctx, cancel := context.WithTimeout(ctx, a.timeout)
-	defer cancel()
-	return a.AuthClient.UserList(ctx, r, opts...)
+	return within(ctx, a.timeout, a.AuthClient.UserList, r, opts)
 }
 
 func (a boundedAuth) UserGet(ctx context.Context, r *pb.AuthUserGetRequest, opts ...grpc.CallOption) (*pb.AuthUserGetResponse, error) {
-	ctx, cancel := context.WithTimeout(ctx, a.timeout)
-	defer cancel()
-	return a.AuthClient.UserGet(ctx, r, opts...)
+	return within(ctx, a.timeout, a.AuthClient.UserGet, r, opts)
 }
 
 func (a boundedAuth) RoleList(ctx context.Context, r *pb.AuthRoleListRequest, opts ...grpc.CallOption) (*pb.AuthRoleListResponse, error) {
-	ctx, cancel := context.WithTimeout(ctx, a.timeout)
-	defer cancel()
-	return a.AuthClient.RoleList(ctx, r, opts...)
+	return within(ctx, a.timeout, a.AuthClient.RoleList, r, opts)
 }
 
 func (a boundedAuth) RoleGet(ctx context.Context, r *pb.AuthRoleGetRequest, opts ...grpc.CallOption) (*pb.AuthRoleGetResponse, error) {
-	ctx, cancel := context.WithTimeout(ctx, a.timeout)
-	defer cancel()
-	return a.AuthClient.RoleGet(ctx, r, opts...)
+	return within(ctx, a.timeout, a.AuthClient.RoleGet, r, opts)
 }

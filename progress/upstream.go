@@ -185,9 +185,6 @@ func (v *versionTracker) changedChan() <-chan struct{} {
 	return v.changed
 }
 
-// noMixedReleases is mixed for a tracker that does not know the members.
-func noMixedReleases() (bool, <-chan struct{}) { return false, nil }
-
 // run re-reads the release after each reconnect, and retries with a
 // growing pause while it is unknown, until ctx is done.
 func (v *versionTracker) run(ctx context.Context) {

@@ -78,6 +78,9 @@ func waitVersion(t *testing.T, st *upstreamState, want string) {
 	testsupport.WaitFor(t, 10*time.Second, "version "+want, func() bool { return st.getVersion() == want })
 }
 
+// noMixedReleases is mixed for a tracker whose members always agree.
+func noMixedReleases() (bool, <-chan struct{}) { return false, nil }
+
 // fakeMembers stands for drain.MixedReleases: whether the members run
 // different releases, set by the test, with a channel closed on a change.
 type fakeMembers struct {

@@ -1,12 +1,15 @@
 package clients
 
 import (
+	"context"
 	"fmt"
 	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
@@ -95,6 +98,18 @@ func (c *etcdCluster) member(t testing.TB, addr string) *etcdProc {
 	}
 	t.Fatalf("no member at %q", addr)
 	return nil
+}
+
+// status asks member m alone for its Status.
+func (m *etcdProc) status() (*clientv3.StatusResponse, error) {
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{m.addr}, DialTimeout: 2 * time.Second})
+	if err != nil {
+		return nil, err
+	}
+	defer cli.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	return cli.Status(ctx, m.addr)
 }
 
 // hang stops the member's process (SIGSTOP), as a stalled host would: its

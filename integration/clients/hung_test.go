@@ -115,14 +115,7 @@ func (c *etcdCluster) leader(t testing.TB) *etcdProc {
 	var leader *etcdProc
 	waitUntil(t, 10*time.Second, "a leader", func() (bool, error) {
 		for _, m := range c.members {
-			cli, err := clientv3.New(clientv3.Config{Endpoints: []string{m.addr}, DialTimeout: 2 * time.Second})
-			if err != nil {
-				return false, err
-			}
-			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			st, err := cli.Status(ctx, m.addr)
-			cancel()
-			cli.Close()
+			st, err := m.status()
 			if err != nil {
 				return false, err
 			}

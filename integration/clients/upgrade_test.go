@@ -127,14 +127,7 @@ func waitMembers(t testing.TB, c *etcdCluster, what string, check func(*clientv3
 	t.Helper()
 	waitUntil(t, 60*time.Second, what, func() (bool, error) {
 		for _, m := range c.members {
-			mc, err := clientv3.New(clientv3.Config{Endpoints: []string{m.addr}, DialTimeout: 2 * time.Second})
-			if err != nil {
-				return false, err
-			}
-			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			st, err := mc.Status(ctx, m.addr)
-			cancel()
-			mc.Close()
+			st, err := m.status()
 			if err != nil {
 				return false, err
 			}

@@ -129,11 +129,12 @@ type leaderKey struct{}
 // ToLeader returns a context whose calls are picked on the member that
 // last said, in answer to its probe, that it is etcd's leader (at the
 // highest raft term, if two say so), while that member is READY, answers
-// its probes and is not avoided; otherwise they are picked as without it. It is for proposals (writes, lease grants):
-// a follower only forwards them to the leader, so a write sent to a
-// follower that hangs (or that is being defragmented) waits out its
-// caller's deadline although the cluster can commit it; sent to the leader
-// it depends on nothing the leader does not depend on anyway.
+// its probes and is not avoided; otherwise they are picked as without it.
+// It is for proposals (writes, lease grants): a follower only forwards
+// them to the leader, so a write sent to a follower that hangs (or that is
+// being defragmented) waits out its caller's deadline although the cluster
+// can commit it; sent to the leader it depends on nothing the leader does
+// not depend on anyway.
 func ToLeader(ctx context.Context) context.Context {
 	return context.WithValue(ctx, leaderKey{}, true)
 }

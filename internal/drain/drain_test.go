@@ -135,24 +135,7 @@ func TestOnlyTheDrainingMembersStreamsEnd(t *testing.T) {
 	addrA, addrB := a.addr, b.addr
 	cli := dial(t, addrA, addrB)
 
-	type opened struct {
-		ctx  context.Context
-		addr string
-	}
-	var streams []opened
-	on := map[string]int{}
-	// round_robin spreads the streams over both members once both are
-	// connected; open streams until each member has some.
-	for i := 0; i < 100 && (on[addrA] < 2 || on[addrB] < 2); i++ {
-		ctx, cancel := drain.Context(t.Context())
-		defer cancel()
-		addr := openWatch(t, ctx, cli)
-		on[addr]++
-		streams = append(streams, opened{ctx, addr})
-	}
-	if on[addrA] == 0 || on[addrB] == 0 {
-		t.Fatalf("streams per member %v: round_robin never used both", on)
-	}
+	streams := openOnBoth(t, cli, addrA, addrB)
 
 	waitDone(t, "a closed", a.closeAsync())
 	for _, s := range streams {
@@ -194,25 +177,7 @@ func TestHungMemberIsAvoided(t *testing.T) {
 	addrA, addrB := ra.Addr(), rb.Addr()
 	cli := dial(t, addrA, addrB)
 
-	type opened struct {
-		ctx  context.Context
-		addr string
-	}
-	var streams []opened
-	on := map[string]int{}
-	for i := 0; i < 100 && (on[addrA] < 2 || on[addrB] < 2); i++ {
-		ctx, cancel := drain.Context(t.Context())
-		defer cancel()
-		addr := openWatch(t, ctx, cli)
-		if m := drain.Member(ctx); m != addr {
-			t.Fatalf("drain.Member %q, the stream's peer %q", m, addr)
-		}
-		on[addr]++
-		streams = append(streams, opened{ctx, addr})
-	}
-	if on[addrA] == 0 || on[addrB] == 0 {
-		t.Fatalf("streams per member %v: round_robin never used both", on)
-	}
+	streams := openOnBoth(t, cli, addrA, addrB)
 
 	ra.Stall()
 	for _, s := range streams {
@@ -306,4 +271,35 @@ func TestAvoid(t *testing.T) {
 		}
 	}
 	rb.Flow()
+}
+
+// opened is a watch stream opened with a context from drain.Context, and
+// the member it runs on.
+type opened struct {
+	ctx  context.Context
+	addr string
+}
+
+// openOnBoth opens watch streams with contexts from drain.Context until
+// each of the two members has some (round_robin spreads them once both are
+// connected); drain.Member must name each stream's peer. The streams end
+// with the test.
+func openOnBoth(t *testing.T, cli *clientv3.Client, addrA, addrB string) []opened {
+	t.Helper()
+	var streams []opened
+	on := map[string]int{}
+	for i := 0; i < 100 && (on[addrA] < 2 || on[addrB] < 2); i++ {
+		ctx, cancel := drain.Context(t.Context())
+		t.Cleanup(cancel)
+		addr := openWatch(t, ctx, cli)
+		if m := drain.Member(ctx); m != addr {
+			t.Fatalf("drain.Member %q, the stream's peer %q", m, addr)
+		}
+		on[addr]++
+		streams = append(streams, opened{ctx, addr})
+	}
+	if on[addrA] == 0 || on[addrB] == 0 {
+		t.Fatalf("streams per member %v: round_robin never used both", on)
+	}
+	return streams
 }

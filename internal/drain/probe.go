@@ -86,9 +86,8 @@ func (p *prober) run(ctx context.Context, m pb.MaintenanceClient) {
 }
 
 // probe reports whether the member answered a Status request within
-// ProbeTimeout, and records in statuses whether it said it is the leader,
-// and its release.
-// Any answer counts, an error from etcd too (a refused auth
+// ProbeTimeout, and records in statuses whether it said it leads, and its
+// release. Any answer counts, an error from etcd too (a refused auth
 // token, say): it proves the member and the path to it work. A transport
 // that fails ends the READY period, and so the probe.
 //
