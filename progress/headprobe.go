@@ -111,11 +111,14 @@ func (p *headProbe) wait(ctx context.Context, c *coalesce.Run[int64], rev int64,
 const headHedgeDelay = 250 * time.Millisecond
 
 // hedgedRead returns read's answer at rev. If the read has not answered
-// within delay, or drain ended it because its member stopped answering or
-// went away, a second read goes to another member (drain.Avoid), and the
-// first answer of the two wins; the other is canceled and waited for. A
-// verdict on rev (compacted, future) is an answer. Both reads start after
-// the call, so either one's head serves the readers of a probe.
+// within delay, or failed (its member stopping, drain moving it off a
+// member that stopped answering, a leader election seen by that member),
+// a second read goes to another member (drain.Avoid), and the first answer
+// of the two wins; the other is canceled and waited for. A verdict on rev
+// (compacted, future) is an answer. A quorum read changes nothing, so a
+// second one is safe; without it the probe's readers would all go to etcd.
+// Both reads start after the call, so either one's head serves the readers
+// of a probe.
 func hedgedRead(ctx context.Context, rev int64, delay time.Duration, read func(ctx context.Context, rev int64) (int64, error)) (int64, error) {
 	type answer struct {
 		head int64
@@ -152,7 +155,7 @@ func hedgedRead(ctx context.Context, rev int64, delay time.Duration, read func(c
 			if a.err == nil || errors.Is(a.err, ErrCompacted) || errors.Is(a.err, ErrFutureRev) {
 				return a.head, a.err
 			}
-			if !hedged && ctx.Err() == nil && drain.Moved(first) {
+			if !hedged && ctx.Err() == nil {
 				hedge()
 				continue
 			}

@@ -226,7 +226,13 @@ func TestHedgedRead(t *testing.T) {
 		wantRead int
 	}{
 		{"first answers", func(int, context.Context) (int64, error) { return 10, nil }, time.Hour, 10, nil, 1},
-		{"first fails before the delay", func(int, context.Context) (int64, error) { return 0, unavailable }, time.Hour, 0, unavailable, 1},
+		{"first fails before the delay, second answers", func(i int, ctx context.Context) (int64, error) {
+			if i == 0 {
+				return 0, unavailable
+			}
+			return 11, nil
+		}, time.Hour, 11, nil, 2},
+		{"both fail before the delay", func(int, context.Context) (int64, error) { return 0, unavailable }, time.Hour, 0, unavailable, 2},
 		{"first compacted", func(int, context.Context) (int64, error) { return 0, ErrCompacted }, time.Hour, 0, ErrCompacted, 1},
 		{"first hangs, second answers", func(i int, ctx context.Context) (int64, error) {
 			if i == 0 {
