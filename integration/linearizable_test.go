@@ -3,6 +3,8 @@ package integration
 import (
 	"context"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -13,6 +15,7 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 
+	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
@@ -111,5 +114,53 @@ func TestFreshnessTimeout(t *testing.T) {
 				t.Fatal(err)
 			}
 		})
+	}
+}
+
+// TestLinearizableReadWhileTheWatchLags: the member the proxy's upstream
+// watch runs on falls behind (its connection stalls, as a congested path
+// or a defragmented member leaves a watch), while another member answers.
+// A linearizable read then goes to etcd once the store has not caught up
+// with the head for the fence's patience, avoiding the lagging member, and
+// gets etcd's latest value: it neither waits for the watch to move nor
+// reads the stale cache. The proxy reaches one etcd through two relays,
+// two members to the proxy.
+func TestLinearizableReadWhileTheWatchLags(t *testing.T) {
+	var relays []*testsupport.Relay
+	c := newCluster(t, clusterOptions{configure: func(cfg *server.Config) {
+		target := strings.TrimPrefix(cfg.Endpoints[0], "http://")
+		relays = []*testsupport.Relay{testsupport.NewRelay(t, target), testsupport.NewRelay(t, target)}
+		cfg.Endpoints = []string{"http://" + relays[0].Addr(), "http://" + relays[1].Addr()}
+	}})
+	if _, err := c.direct.Put(context.Background(), "lag/k", "v1"); err != nil {
+		t.Fatal(err)
+	}
+	c.waitSynced(t)
+	member := c.proxy.Follower().WatchMember()
+	i := slices.IndexFunc(relays, func(r *testsupport.Relay) bool { return strings.HasSuffix(member, r.Addr()) })
+	if i < 0 {
+		t.Fatalf("the upstream watch runs on %q, neither relay", member)
+	}
+	relays[i].Stall()
+	defer relays[i].Flow()
+	put, err := c.direct.Put(context.Background(), "lag/k", "v2")
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	before := rangeCounts(t, c.proxy)
+	resp, err := c.proxyKV.Range(context.Background(), &pb.RangeRequest{Key: []byte("lag/k")})
+	after := rangeCounts(t, c.proxy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Kvs) != 1 || string(resp.Kvs[0].Value) != "v2" || resp.Header.Revision < put.Header.Revision {
+		t.Fatalf("linearizable read while the watch lags: %v; want v2 at revision %d or later", resp, put.Header.Revision)
+	}
+	if c.proxy.Store().Rev() >= put.Header.Revision {
+		t.Fatalf("the store reached revision %d through a stalled watch", put.Header.Revision)
+	}
+	if d := after["forwarded/fresh_lagging"] - before["forwarded/fresh_lagging"]; d != 1 {
+		t.Fatalf("reads forwarded as lagging: %v, want 1; by source and reason, before %v, after %v", d, before, after)
 	}
 }

@@ -108,6 +108,8 @@ type Follower interface {
 	UpstreamVersion() string
 	// LeaderLost reports whether etcd has no leader.
 	LeaderLost() (bool, <-chan struct{})
+	// WatchMember is the member the upstream watch runs on ("": none).
+	WatchMember() string
 }
 
 // Store is what the KV service reads of the cache (revtree.Store).
@@ -265,7 +267,13 @@ func (s *Server) serveRange(ctx context.Context, r *pb.RangeRequest, encode bool
 			return nil, nil, err
 		}
 		defer release()
-		resp, err := s.forwardRange(ctx, r, served)
+		fctx := ctx
+		if rt.reason == reasonFreshLagging {
+			// The member the upstream watch lags on is most likely slow
+			// to answer reads too.
+			fctx = drain.Avoid(ctx, s.follower.WatchMember())
+		}
+		resp, err := s.forwardRange(fctx, r, served)
 		return resp, nil, err
 	}
 	held, err := s.admitCached(ctx, rt.view, r, rules.opts)

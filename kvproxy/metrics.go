@@ -46,6 +46,7 @@ const (
 	reasonLoading      reason = "loading"       // small reads forwarded, the rest refused
 	reasonFreshTimeout reason = "fresh_timeout" // freshness not proven in time
 	reasonFreshError   reason = "fresh_error"   // freshness could not be proven
+	reasonFreshLagging reason = "fresh_lagging" // the cache lagged etcd's head past the fence's patience
 
 	// Rejected.
 	reasonCompacted reason = "compacted"
@@ -98,7 +99,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 var reasons = []reason{
 	reasonLinearizable, reasonHistorical, reasonSerializable, reasonWaited,
 	reasonAuth, reasonAuthStale, reasonInconsistent, reasonNotRetained, reasonAhead, reasonNotReady, reasonVersionUnknown, reasonRangeStream, reasonForwarding,
-	reasonLoading, reasonFreshTimeout, reasonFreshError,
+	reasonLoading, reasonFreshTimeout, reasonFreshError, reasonFreshLagging,
 	reasonCompacted, reasonFuture, reasonOverload, reasonMemory,
 }
 

@@ -163,6 +163,10 @@ func decideLinearizable(r *pb.RangeRequest, st routeState) decision {
 		return refuseFor(reasonCompacted, togRPCError(err))
 	case errors.Is(err, revtree.ErrFutureRev):
 		return refuseFor(reasonFuture, togRPCError(err))
+	case errors.Is(err, progress.ErrLagging):
+		// Only a fence with a patience gives up so, and only a read that
+		// falls back to etcd gets one.
+		return forwardFor(reasonFreshLagging)
 	case err != nil:
 		why := reasonFreshTimeout
 		if !errors.Is(err, context.DeadlineExceeded) {
@@ -258,9 +262,24 @@ func (s *Server) beginFence(rev int64) fenceCall {
 	return fenceCall{begun: true, deadline: time.Now().Add(s.fresh), call: s.follower.BeginFence(rev)}
 }
 
-// waitFence waits for f and returns its error.
+// fencePatience is how long a linearizable read that may fall back to
+// etcd waits for the store to apply the head its fence's quorum read
+// reported, before it goes to etcd: the upstream watch delivers an event
+// within milliseconds, tens under load, so a store still behind after
+// 250 ms waits on a watched member that lags the cluster (one being
+// defragmented applies nothing until it ends). etcd's other members answer
+// such a read at once.
+const fencePatience = 250 * time.Millisecond
+
+// waitFence waits for f and returns its error. A read that falls back to
+// etcd when freshness is not proven waits for the store to catch up for
+// fencePatience at most; one that fails instead waits until the deadline.
 func (s *Server) waitFence(ctx context.Context, f *fenceCall) error {
-	_, err := f.call.Wait(ctx, f.deadline)
+	patience := fencePatience
+	if s.fallback == FallbackFail {
+		patience = 0
+	}
+	_, err := f.call.Wait(ctx, f.deadline, patience)
 	return err
 }
 

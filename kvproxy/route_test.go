@@ -44,8 +44,10 @@ type fakeFollower struct {
 	fence        func(ctx context.Context, rev int64) (int64, error)
 	waitRevision func(ctx context.Context, rev int64) error
 	store        *revtree.Store
-	// begun counts the fences begun (BeginFence).
-	begun int
+	// begun counts the fences begun (BeginFence); patience is the last
+	// fence's.
+	begun    int
+	patience time.Duration
 
 	mu       sync.Mutex
 	observed []*pb.ResponseHeader
@@ -66,7 +68,8 @@ func (f *fakeFollower) WaitRevision(ctx context.Context, rev int64) error {
 
 func (f *fakeFollower) BeginFence(rev int64) progress.FenceCall {
 	f.begun++
-	return progress.FenceOf(func(ctx context.Context, deadline time.Time) (int64, error) {
+	return progress.FenceOf(func(ctx context.Context, deadline time.Time, patience time.Duration) (int64, error) {
+		f.patience = patience
 		ctx, cancel := context.WithDeadline(ctx, deadline)
 		defer cancel()
 		if f.fence != nil {
@@ -89,6 +92,8 @@ func (f *fakeFollower) ObserveHeader(h *pb.ResponseHeader) {
 func (f *fakeFollower) ObserveCompaction(int64, string) {}
 func (f *fakeFollower) HeadSeen() int64                 { return f.headSeen }
 func (f *fakeFollower) UpstreamVersion() string         { return f.version }
+func (f *fakeFollower) WatchMember() string { return "" }
+
 func (f *fakeFollower) LeaderLost() (bool, <-chan struct{}) {
 	return f.leaderLost, nil
 }
@@ -370,6 +375,9 @@ func routeCases() []routeCase {
 		{name: "fence failed, fallback fail", req: key("a"),
 			setup:  failUnproven(errUnreachable),
 			action: refuse, reason: reasonFreshError, err: errNotFresh},
+		{name: "store lagged past the fence's patience", req: key("a"),
+			setup:  fenceReturns(progress.ErrLagging),
+			action: forward, reason: reasonFreshLagging},
 
 		// Refused.
 		{name: "fence: etcd compacted the revision", req: &pb.RangeRequest{Key: []byte("a"), Revision: 3},
@@ -487,6 +495,27 @@ func TestRoute(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestFencePatience: a linearizable read that falls back to etcd gives
+// the store fencePatience to catch up with etcd's head; one that fails
+// instead (--consistent-read-fallback=fail) waits until its deadline, as
+// giving up early would refuse it.
+func TestFencePatience(t *testing.T) {
+	for _, tc := range []struct {
+		fallback ConsistentReadFallback
+		want     time.Duration
+	}{{FallbackForward, fencePatience}, {FallbackFail, 0}} {
+		e := newRouteEnv(t)
+		e.cfg.ConsistentReadFallback = tc.fallback
+		s := New(e.cfg)
+		if rt := s.route(t.Context(), &pb.RangeRequest{Key: []byte("a")}, s.rules()); rt.action != serveFromCache {
+			t.Fatalf("fallback %v: route = %v/%s, want served", tc.fallback, rt.action, rt.reason)
+		}
+		if e.follower.patience != tc.want {
+			t.Errorf("fallback %v: fence patience %v, want %v", tc.fallback, e.follower.patience, tc.want)
+		}
 	}
 }
 
@@ -858,6 +887,8 @@ func decideCases() []decideCase {
 			want: forwardFor(reasonFreshError)},
 		{name: "fence failed, fallback fail", req: key("a"), st: stateWith(failUnproven, fenced(errUnreachable)),
 			want: refuseFor(reasonFreshError, errNotFresh)},
+		{name: "store lagged past the fence's patience", req: key("a"), st: fenced(progress.ErrLagging),
+			want: forwardFor(reasonFreshLagging)},
 		{name: "fence: etcd compacted the revision", req: &pb.RangeRequest{Key: []byte("a"), Revision: 3}, st: fenced(progress.ErrCompacted),
 			want: refuseFor(reasonCompacted, rpctypes.ErrGRPCCompacted)},
 		{name: "fence: etcd compacted the revision, fallback fail", req: &pb.RangeRequest{Key: []byte("a"), Revision: 3}, st: stateWith(failUnproven, fenced(fmt.Errorf("fence: %w", progress.ErrCompacted))),

@@ -116,6 +116,7 @@ type Follower struct {
 	// quorum read until the store reached the head.
 	verified   atomic.Uint64
 	streamGens atomic.Uint64 // the last generation handed out
+	lag        watchLag      // since when fences have found the verified stream behind
 	loads      atomic.Int64  // loads completed
 	// loadErr is why the last load attempt failed; nil once one succeeds.
 	loadErr atomic.Pointer[error]

@@ -30,6 +30,11 @@ var (
 	// ErrNotFollowing is returned by WaitRevision and WaitFresh while the
 	// upstream watch is down, so that callers go to etcd instead of waiting.
 	ErrNotFollowing = errors.New("progress: not following etcd")
+	// ErrLagging is returned by FenceCall.Wait when the store has not
+	// applied etcd's head within the patience its caller gave: the
+	// upstream watch lags the cluster (its member is defragmented, or
+	// slow), and the read is better sent to etcd than held.
+	ErrLagging = errors.New("progress: the upstream watch lags etcd's head")
 )
 
 // Fence makes a linearizable read at rev (0: the head) safe to serve from
@@ -42,14 +47,14 @@ var (
 // could not be proven.
 func (f *Follower) Fence(ctx context.Context, rev int64) (int64, error) {
 	c := f.BeginFence(rev)
-	return c.Wait(ctx, time.Time{})
+	return c.Wait(ctx, time.Time{}, 0)
 }
 
 // FenceCall is a read fence begun (BeginFence) and not yet waited for.
 type FenceCall struct {
 	// wait, if set, is the whole fence: a FenceCall of another follower
 	// (FenceOf); the fields below are then unset.
-	wait  func(ctx context.Context, deadline time.Time) (int64, error)
+	wait  func(ctx context.Context, deadline time.Time, patience time.Duration) (int64, error)
 	f     *Follower
 	start time.Time
 	gen   uint64               // f.verified when it began
@@ -61,7 +66,7 @@ type FenceCall struct {
 // FenceOf returns a FenceCall whose Wait is wait: the fence of a follower
 // other than Follower (tests' fakes), which consumers then begin and wait
 // for as they do Follower's.
-func FenceOf(wait func(ctx context.Context, deadline time.Time) (int64, error)) FenceCall {
+func FenceOf(wait func(ctx context.Context, deadline time.Time, patience time.Duration) (int64, error)) FenceCall {
 	return FenceCall{wait: wait}
 }
 
@@ -91,10 +96,16 @@ var timers = sync.Pool{New: func() any {
 }}
 
 // Wait ends the fence as Fence does, giving up when ctx is done or, with
-// context.DeadlineExceeded, at deadline (zero: none). It is called once.
-func (c *FenceCall) Wait(ctx context.Context, deadline time.Time) (int64, error) {
+// context.DeadlineExceeded, at deadline (zero: none). With a patience
+// (zero: none), it gives up with ErrLagging if the store has not applied
+// etcd's head that long after the quorum read reported it: a watch
+// delivers an event within milliseconds, tens under load, so a store
+// still behind then waits on a member that lags, and the reader is
+// better served by etcd. The watch itself moves once it has lagged
+// watchStallTimeout, whichever readers were waiting. Wait is called once.
+func (c *FenceCall) Wait(ctx context.Context, deadline time.Time, patience time.Duration) (int64, error) {
 	if c.wait != nil {
-		return c.wait(ctx, deadline)
+		return c.wait(ctx, deadline, patience)
 	}
 	f := c.f
 	if c.gen == 0 {
@@ -122,6 +133,11 @@ func (c *FenceCall) Wait(ctx context.Context, deadline time.Time) (int64, error)
 	}
 	if err == nil && f.store.Rev() < head {
 		wctx, cancel := bounded()
+		if patience > 0 {
+			var cancelPatience context.CancelFunc
+			wctx, cancelPatience = context.WithTimeoutCause(wctx, patience, ErrLagging)
+			defer cancelPatience()
+		}
 		err = f.WaitRevision(wctx, head)
 		if errors.Is(err, ErrAhead) {
 			// etcd answered a progress request below the head it reported
@@ -129,6 +145,9 @@ func (c *FenceCall) Wait(ctx context.Context, deadline time.Time) (int64, error)
 			// one that answered; wait on for the events, and move the
 			// watch if they do not come.
 			err = f.waitApplied(wctx, head, c.gen)
+		}
+		if err != nil && ctx.Err() == nil && errors.Is(context.Cause(wctx), ErrLagging) {
+			err = ErrLagging
 		}
 		cancel()
 	}
@@ -143,11 +162,13 @@ func (c *FenceCall) Wait(ctx context.Context, deadline time.Time) (int64, error)
 }
 
 // waitApplied waits for the store to reach rev through events alone.
-// If it has not after watchStallTimeout, the member the upstream watch of
-// generation gen runs on lags the one that reported rev, and the watch is
-// moved to another member (the fence then finds the stream changed).
+// If the upstream watch of generation gen has lagged a revision etcd
+// reported for watchStallTimeout, counted from the first fence that found
+// it behind (each reader may give up sooner), its member lags the one
+// that reported rev, and the watch is moved to another member (the fence
+// then finds the stream changed).
 func (f *Follower) waitApplied(ctx context.Context, rev int64, gen uint64) error {
-	lag := time.NewTimer(watchStallTimeout)
+	lag := time.NewTimer(f.lag.untilMove(gen, rev, f.store.Rev(), time.Now()))
 	defer lag.Stop()
 	for {
 		changed := f.Changed()
@@ -162,6 +183,31 @@ func (f *Follower) waitApplied(ctx context.Context, rev int64, gen uint64) error
 			return ctx.Err()
 		}
 	}
+}
+
+// watchLag is when read fences first found the verified upstream watch
+// behind a revision etcd reported, so that the watch moves once it has
+// lagged watchStallTimeout, though readers with a patience each give up
+// sooner.
+type watchLag struct {
+	mu    sync.Mutex
+	gen   uint64    // guarded by mu: the stream generation found behind
+	rev   int64     // guarded by mu: the revision it had not applied
+	since time.Time // guarded by mu: when a fence first found it so
+}
+
+// untilMove records that the stream of generation gen had applied only
+// applied when etcd had reported rev, and returns how long until it has
+// lagged watchStallTimeout (at most 0: move it now). A lag begins afresh
+// on another stream, or once the store reached the revision the last lag
+// began at.
+func (l *watchLag) untilMove(gen uint64, rev, applied int64, now time.Time) time.Duration {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.gen != gen || applied >= l.rev {
+		l.gen, l.rev, l.since = gen, rev, now
+	}
+	return max(watchStallTimeout-now.Sub(l.since), 0)
 }
 
 // readHead is the quorum read: a linearizable count-only Range of one key at
