@@ -112,6 +112,19 @@ func (m *etcdProc) status() (*clientv3.StatusResponse, error) {
 	return cli.Status(ctx, m.addr)
 }
 
+// get reads key from member m alone, serializably: the member's own
+// answer, whichever its release.
+func (m *etcdProc) get(key string, opts ...clientv3.OpOption) (*clientv3.GetResponse, error) {
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{m.addr}, DialTimeout: 2 * time.Second})
+	if err != nil {
+		return nil, err
+	}
+	defer cli.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	return cli.Get(ctx, key, append(opts, clientv3.WithSerializable())...)
+}
+
 // hang stops the member's process (SIGSTOP), as a stalled host would: its
 // connections stay open and nothing on them is answered. The returned
 // function resumes it (SIGCONT), as does the test's end.

@@ -6,10 +6,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"google.golang.org/protobuf/proto"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
@@ -23,7 +27,10 @@ import (
 // reloading the cache, no read fails, the watch misses nothing, and the
 // release it reports is the cluster's: unknown while the members run
 // different releases (each answers by its own), the new one once they
-// agree.
+// agree. A keys-only read, whose answer differs between the releases
+// (3.6 gives a key's lease, 3.7 reads the index and does not), gets
+// through the proxy what one of the members gives while they differ, and
+// what all of them give once they agree.
 func TestRollingUpgrade(t *testing.T) {
 	etcd36, etcd37, ctl := etcd36Bin(t), etcdBin(t), etcdctlBin(t)
 	c := startEtcdClusterOf(t, etcd36, 3)
@@ -36,6 +43,13 @@ func TestRollingUpgrade(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
 	watch := cli.Watch(ctx, "k/", clientv3.WithPrefix())
+	lease, err := cli.Grant(ctx, 3600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Put(ctx, leasedKey, "v", clientv3.WithLease(lease.ID)); err != nil {
+		t.Fatal(err)
+	}
 	ld := startHungLoad(ctx, cli, px)
 	ld.waitPuts(t, 10)
 
@@ -57,6 +71,7 @@ func TestRollingUpgrade(t *testing.T) {
 					v := px.status(t).UpstreamVersion
 					return v == "", fmt.Errorf("upstream_version %q", v)
 				}, px.process)
+				checkKeysOnly(t, cli, c, fmt.Sprintf("m%d on %s", i, release), true)
 			}
 			ld.waitPuts(t, ld.puts()+10)
 			t.Logf("m%d restarted as %s", i, release)
@@ -64,9 +79,11 @@ func TestRollingUpgrade(t *testing.T) {
 	}
 
 	proxyReports("3.6.")
+	checkKeysOnly(t, cli, c, "3.6", false)
 	rolling(etcd37, "3.7")
 	waitClusterVersion(t, c, "3.7.0")
 	proxyReports("3.7.")
+	checkKeysOnly(t, cli, c, "3.7", false)
 
 	// etcd's downgrade procedure: validate and enable, wait until every
 	// member's storage is at 3.6, then replace the binaries one by one.
@@ -90,6 +107,7 @@ func TestRollingUpgrade(t *testing.T) {
 	})
 	waitClusterVersion(t, c, "3.6.0")
 	proxyReports("3.6.")
+	checkKeysOnly(t, cli, c, "3.6 again", false)
 
 	acked, res := ld.stop()
 	t.Logf("%d puts acknowledged, %d failed; %d linearizable reads, %d failed, slowest %v; /readyz polled %d times",
@@ -120,6 +138,57 @@ func TestRollingUpgrade(t *testing.T) {
 		t.Errorf("reloads: %v (%v), want none", reloads, err)
 	}
 	checkWatched(t, watch, acked)
+}
+
+// leasedKey is TestRollingUpgrade's key with a lease.
+const leasedKey = "leased/k"
+
+// checkKeysOnly reads leasedKey keys-only through the proxy,
+// linearizably and serializably, and from each member alone. Each of the
+// proxy's answers must be one member's; with mixed false, the members
+// must agree.
+func checkKeysOnly(t *testing.T, cli *clientv3.Client, c *etcdCluster, stage string, mixed bool) {
+	t.Helper()
+	var members []*clientv3.GetResponse
+	for _, m := range c.members {
+		resp, err := m.get(leasedKey, clientv3.WithKeysOnly())
+		if err != nil {
+			t.Fatalf("%s: keys-only read from %s: %v", stage, m.name, err)
+		}
+		members = append(members, resp)
+	}
+	var leases []string
+	for i, m := range members {
+		for _, kv := range m.Kvs {
+			leases = append(leases, fmt.Sprintf("m%d %x", i, kv.Lease))
+		}
+	}
+	t.Logf("%s: keys-only, each member's lease: %s", stage, strings.Join(leases, ", "))
+	sameKvs := func(a, b *clientv3.GetResponse) bool {
+		return slices.EqualFunc(a.Kvs, b.Kvs, func(x, y *mvccpb.KeyValue) bool { return proto.Equal(x, y) })
+	}
+	if !mixed {
+		for i, resp := range members[1:] {
+			if !sameKvs(resp, members[0]) {
+				t.Fatalf("%s: members answer a keys-only read differently: m0 %v, m%d %v", stage, members[0].Kvs, i+1, resp.Kvs)
+			}
+		}
+	}
+	for _, opts := range [][]clientv3.OpOption{{clientv3.WithKeysOnly()}, {clientv3.WithKeysOnly(), clientv3.WithSerializable()}} {
+		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+		resp, err := cli.Get(ctx, leasedKey, opts...)
+		cancel()
+		if err != nil {
+			t.Fatalf("%s: keys-only read through the proxy: %v", stage, err)
+		}
+		if !slices.ContainsFunc(members, func(m *clientv3.GetResponse) bool { return sameKvs(resp, m) }) {
+			var each []string
+			for i, m := range members {
+				each = append(each, fmt.Sprintf("m%d %v", i, m.Kvs))
+			}
+			t.Fatalf("%s: keys-only read through the proxy (%d options) gave %v, no member's answer: %s", stage, len(opts), resp.Kvs, strings.Join(each, "; "))
+		}
+	}
 }
 
 // waitMembers waits until every member's Status passes check.
