@@ -92,7 +92,7 @@ func (f *fakeFollower) ObserveHeader(h *pb.ResponseHeader) {
 func (f *fakeFollower) ObserveCompaction(int64, string) {}
 func (f *fakeFollower) HeadSeen() int64                 { return f.headSeen }
 func (f *fakeFollower) UpstreamVersion() string         { return f.version }
-func (f *fakeFollower) WatchMember() string { return "" }
+func (f *fakeFollower) WatchMember() string             { return "" }
 
 func (f *fakeFollower) LeaderLost() (bool, <-chan struct{}) {
 	return f.leaderLost, nil
