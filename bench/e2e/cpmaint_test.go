@@ -259,19 +259,74 @@ const hangFor = 15 * time.Second
 // stuck on a disk, in a long pause or in a frozen VM is. Its peers elect
 // a new leader if it led; its clients see requests hang until their
 // keepalive or their deadline gives up on it.
-func (cp *controlPlane) hang(b *testing.B, m *etcdMember) {
+func (cp *controlPlane) hang(b *testing.B, side string, m *etcdMember) (found string) {
+	watchOn := cp.watchMember(b, side)
 	m.signal(b, syscall.SIGSTOP)
 	defer m.signal(b, syscall.SIGCONT)
-	cp.sleep(b, hangFor)
+	return cp.holdFinding(b, side, m, watchOn, hangFor)
+}
+
+// watchMember is the member of the proxy's upstream watch, as its status
+// names it, on the proxy side; "" direct.
+func (cp *controlPlane) watchMember(b *testing.B, side string) string {
+	if side != "proxy" || len(cp.proxies) == 0 {
+		return ""
+	}
+	return cp.proxies[0].status(b).UpstreamWatchMember
+}
+
+// holdFinding is sleep for d while member m is faulty. On the proxy side
+// it polls the proxy's status every 100 ms, and says how long the proxy
+// took to find the fault: to list m as unresponsive, and, if its upstream
+// watch was on m as the fault began (watchOn), to move it off.
+func (cp *controlPlane) holdFinding(b *testing.B, side string, m *etcdMember, watchOn string, d time.Duration) string {
+	if side != "proxy" || len(cp.proxies) == 0 {
+		cp.sleep(b, d)
+		return ""
+	}
+	// The proxy names a member by the address it was given, without
+	// the scheme.
+	name := m.clientEndpoint()
+	name = name[strings.Index(name, "://")+3:]
+	start := time.Now()
+	avoided, moved := time.Duration(-1), time.Duration(-1)
+	poll := time.NewTicker(100 * time.Millisecond)
+	defer poll.Stop()
+	checked := start
+	for time.Since(start) < d {
+		<-poll.C
+		st := cp.proxies[0].status(b)
+		if avoided < 0 && slices.Contains(st.UnresponsiveMembers, name) {
+			avoided = time.Since(start)
+		}
+		if moved < 0 && watchOn == name && st.UpstreamWatchMember != "" && st.UpstreamWatchMember != name {
+			moved = time.Since(start)
+		}
+		if time.Since(checked) >= time.Second {
+			cp.checkAlive(b, cp.load)
+			checked = time.Now()
+		}
+	}
+	after := func(d time.Duration) string {
+		if d < 0 {
+			return "not within the fault"
+		}
+		return fmt.Sprintf("after %.1fs", d.Seconds())
+	}
+	found := "; the proxy avoided it " + after(avoided)
+	if watchOn == name {
+		found += ", moved its upstream watch off it " + after(moved)
+	}
+	return found
 }
 
 // faultHungLeader hangs the leader.
-func faultHungLeader(cp *controlPlane, b *testing.B, _ string) string {
+func faultHungLeader(cp *controlPlane, b *testing.B, side string) string {
 	l := cp.etcd.leader(b)
 	streams := cp.etcd.watchStreams(b)
-	cp.hang(b, l)
+	found := cp.hang(b, side, l)
 	cp.etcd.waitHealthy(b, *cpTimeout)
-	return fmt.Sprintf("leader %s stopped %v (watch streams %s); leader now %s", l.name, hangFor, streams, cp.etcd.leader(b).name)
+	return fmt.Sprintf("leader %s stopped %v (watch streams %s%s); leader now %s", l.name, hangFor, streams, found, cp.etcd.leader(b).name)
 }
 
 // memberCounts is a count by member, as the fault lines give it.
@@ -322,9 +377,9 @@ func faultHungWatchMember(cp *controlPlane, b *testing.B, side string) string {
 	if side == "proxy" && len(cp.proxies) > 0 {
 		named = fmt.Sprintf("; the proxy's upstream watch on %s", cp.proxies[0].status(b).UpstreamWatchMember)
 	}
-	cp.hang(b, pick)
+	found := cp.hang(b, side, pick)
 	cp.etcd.waitHealthy(b, *cpTimeout)
-	return fmt.Sprintf("%s (%s) stopped %v (watch streams %s%s; it led: %v)", pick.name, strings.TrimPrefix(pick.endpoint, "https://"), hangFor, streams, named, pick == leader)
+	return fmt.Sprintf("%s (%s) stopped %v (watch streams %s%s%s; it led: %v)", pick.name, strings.TrimPrefix(pick.endpoint, "https://"), hangFor, streams, named, found, pick == leader)
 }
 
 // faultLostMember loses a follower with its disk and replaces it
@@ -356,17 +411,18 @@ const cutFor = 20 * time.Second
 // (Cut would close the connections, which a dead link never does, and
 // clients would fail over at once). New connections hang the same way.
 // The member and its peers see nothing.
-func faultCutConnection(cp *controlPlane, b *testing.B, _ string) string {
+func faultCutConnection(cp *controlPlane, b *testing.B, side string) string {
 	m := cp.etcd.members[0]
 	conns := m.relay.Conns()
 	// Whether the side's watches are on it: through the proxy, the cut
 	// delays every event only if the proxy's upstream watch is.
 	streams := cp.etcd.watchStreams(b)
+	watchOn := cp.watchMember(b, side)
 	m.relay.Stall()
 	defer m.relay.Flow() // Flow again is a no-op
-	cp.sleep(b, cutFor)
+	found := cp.holdFinding(b, side, m, watchOn, cutFor)
 	m.relay.Flow()
-	return fmt.Sprintf("clients' connections to %s (%d open) held up %v both ways (watch streams %s)", m.name, conns, cutFor, streams)
+	return fmt.Sprintf("clients' connections to %s (%d open) held up %v both ways (watch streams %s%s)", m.name, conns, cutFor, streams, found)
 }
 
 func TestCPSelectPhases(t *testing.T) {
