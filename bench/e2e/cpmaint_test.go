@@ -355,14 +355,13 @@ func (c *etcdCluster) watchStreams(tb testing.TB) memberCounts {
 	return mc
 }
 
-// faultHungWatchMember hangs the member that serves the side's watches:
+// faultHungWatchMember hangs the member that serves the side's watches.
+// Direct, that is the member most of the kube-apiservers' watches are on:
 // the one with the most watch streams (etcd_debugging_mvcc_watch_stream_total,
-// each member's own). Through the proxy, that is the member of the
-// proxy's upstream watch (the kube-apiservers there reach no member, and
-// the benchmark's own clients do not watch); direct, the member most of
-// the kube-apiservers' watches are on. etcd's count says it for both
-// sides alike; through the proxy, the fault line adds the member the
-// proxy names (/proxy/status's upstream_watch_member), which should agree.
+// each member's own). Through the proxy, it is the member of the proxy's
+// upstream watch, as /proxy/status's upstream_watch_member names it: the
+// proxy has two watch streams (the other carries its progress ticks), so
+// etcd's counts may tie.
 func faultHungWatchMember(cp *controlPlane, b *testing.B, side string) string {
 	streams := cp.etcd.watchStreams(b)
 	most := 0
@@ -374,8 +373,15 @@ func faultHungWatchMember(cp *controlPlane, b *testing.B, side string) string {
 	pick := cp.etcd.members[most]
 	leader := cp.etcd.leader(b)
 	named := ""
-	if side == "proxy" && len(cp.proxies) > 0 {
-		named = fmt.Sprintf("; the proxy's upstream watch on %s", cp.proxies[0].status(b).UpstreamWatchMember)
+	if on := cp.watchMember(b, side); on != "" {
+		// The proxy's other watch (its progress ticks) may be on
+		// another member as often: its status says which is the one.
+		named = fmt.Sprintf("; the proxy's upstream watch on %s", on)
+		for _, m := range cp.etcd.members {
+			if strings.HasSuffix(m.clientEndpoint(), "://"+on) {
+				pick = m
+			}
+		}
 	}
 	found := cp.hang(b, side, pick)
 	cp.etcd.waitHealthy(b, *cpTimeout)
