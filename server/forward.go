@@ -17,9 +17,16 @@ import (
 )
 
 // forwardedMetadata are the request metadata etcd acts on: the caller's
-// credentials (gate.TokenKeys) and its demand for a leader. They travel
-// with every forwarded call.
-var forwardedMetadata = append(slices.Clone(gate.TokenKeys), rpctypes.MetadataRequireLeaderKey)
+// credentials (gate.TokenKeys), its demand for a leader, and its W3C trace
+// context and baggage (traceContextKeys). They travel with every forwarded
+// call.
+var forwardedMetadata = append(slices.Clone(gate.TokenKeys), append([]string{rpctypes.MetadataRequireLeaderKey}, traceContextKeys...)...)
+
+// traceContextKeys are the metadata of the W3C trace context and baggage,
+// as otelgrpc's propagators (kube-apiserver's etcd client, etcd's server)
+// write and read them: with them, etcd's spans of a forwarded call join
+// its caller's trace, as they do when the caller reaches etcd directly.
+var traceContextKeys = []string{"traceparent", "tracestate", "baggage"}
 
 // withCallerMetadata copies the caller's forwarded metadata from an incoming
 // server context to the outgoing context of an upstream call.

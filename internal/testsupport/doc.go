@@ -9,7 +9,8 @@
 // pauses.
 //
 // Helpers that need etcd or the proxy's packages are in the sub-package
-// servertest.
+// servertest (of package server); a trace receiver for processes that
+// export spans over OTLP is in the sub-package otlpsink.
 //
 // It is for tests only: no production code imports it.
 package testsupport
