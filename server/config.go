@@ -15,6 +15,7 @@ import (
 
 	"github.com/etcd-snapcache/etcd-snapcache/gate"
 	"github.com/etcd-snapcache/etcd-snapcache/hashcheck"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/tracing"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/persist"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
@@ -130,6 +131,9 @@ type Config struct {
 	// GRPCServerOptions are added to the gRPC server's options (tests use
 	// them to add interceptors).
 	GRPCServerOptions []grpc.ServerOption
+	// Tracing is etcd's distributed tracing flags
+	// (--enable-distributed-tracing and the rest).
+	Tracing tracing.Config
 
 	// BTreeDegree of the key index (at least 2).
 	BTreeDegree int
@@ -268,6 +272,7 @@ func DefaultConfig() Config {
 		// etcd's own, and this etcd's default while it sends none.
 		WatchProgressNotifyInterval: watchproxy.DefaultProgressNotifyInterval,
 		FollowEtcdProgressInterval:  true,
+		Tracing:                     tracing.Config{Address: tracing.DefaultAddress, ServiceName: tracing.DefaultServiceName},
 	}
 }
 
@@ -306,6 +311,9 @@ func (cfg *Config) Validate() error {
 	case cfg.MemoryLimit.Mode < MemoryLimitNone || cfg.MemoryLimit.Mode > MemoryLimitCgroup,
 		cfg.MemoryLimit.Mode == MemoryLimitFixed && cfg.MemoryLimit.Bytes <= 0:
 		return fmt.Errorf("--memory-limit %v: want a byte count, auto, or 0 for none", cfg.MemoryLimit)
+	}
+	if err := cfg.Tracing.Validate(); err != nil {
+		return err
 	}
 	for _, d := range []struct {
 		flag string

@@ -153,6 +153,7 @@ func (s *Server) newGRPCServer(svc services) *grpc.Server {
 		// server (serveClientPort): its credentials expose it.
 		opts = append(opts, grpc.Creds(tlsmux.Credentials()))
 	}
+	opts = append(opts, s.tracing.ServerOptions()...)
 	opts = append(opts, s.cfg.GRPCServerOptions...)
 	gs := grpc.NewServer(opts...)
 

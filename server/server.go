@@ -27,6 +27,7 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/proxystatus"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/tlsmux"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/tracing"
 	"github.com/etcd-snapcache/etcd-snapcache/persist"
 	"github.com/etcd-snapcache/etcd-snapcache/progress"
 	"github.com/etcd-snapcache/etcd-snapcache/revtree"
@@ -40,6 +41,9 @@ type Server struct {
 	client *clientv3.Client   // of the upstream etcd, for callers' requests: no identity of its own
 	own    *clientv3.Client   // of the upstream etcd, as the proxy itself (User); client if none
 	self   *clientv3.Client   // of the proxy's own API, for /proxy/health
+	// tracing is the tracer provider of --enable-distributed-tracing; nil
+	// with tracing off.
+	tracing *tracing.Tracing
 	// gateway serves etcd's JSON gateway on the client port; nil when
 	// disabled.
 	gateway *gateway
@@ -111,7 +115,12 @@ func Start(cfg Config) (*Server, error) {
 	if s.gate, err = s.newGate(); err != nil {
 		return nil, err
 	}
+	// Made before the connections and the gRPC server that trace with it.
+	if s.tracing, err = tracing.New(context.Background(), cfg.Tracing); err != nil {
+		return nil, err
+	}
 	if err := s.connectUpstream(); err != nil {
+		s.shutdownTracing()
 		return nil, err
 	}
 	ok := false
@@ -598,6 +607,17 @@ func (s *Server) closeAll() {
 	s.client.Close()
 	for _, done := range s.clientDone {
 		<-done
+	}
+	s.shutdownTracing()
+}
+
+// shutdownTracing exports the spans still buffered, for a second at most,
+// and stops the exporter.
+func (s *Server) shutdownTracing() {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	if err := s.tracing.Shutdown(ctx); err != nil {
+		s.lg.Warn("exporting the last spans failed", zap.Error(err))
 	}
 }
 

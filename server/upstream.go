@@ -114,7 +114,7 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, passw
 		Logger:               s.lg.Named("upstream"),
 		// The balancer is round_robin, as clientv3 picks, that also ends
 		// the proxy's own long-lived streams when their member drains.
-		DialOptions: append(drain.DialOptions(),
+		DialOptions: append(append(drain.DialOptions(),
 			// The raw stubs used here do not get clientv3's
 			// MaxCallSendMsgSize/MaxCallRecvMsgSize, so the limits go on
 			// the connection. By default responses may be as large as
@@ -142,7 +142,7 @@ func (s *Server) dialUpstream(clientMetrics *grpcprom.ClientMetrics, user, passw
 			}),
 			grpc.WithChainUnaryInterceptor(append(unaryFirst, append([]grpc.UnaryClientInterceptor{forwardUnaryMetadata, clientMetrics.UnaryClientInterceptor()}, unary...)...)...),
 			grpc.WithChainStreamInterceptor(append(streamFirst, forwardStreamMetadata, clientMetrics.StreamClientInterceptor())...),
-		),
+		), s.tracing.DialOptions()...),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("connecting to etcd %v: %w", s.cfg.Endpoints, err)

@@ -24,6 +24,7 @@ import (
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/handover"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/memlimit"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/tracing"
 	"github.com/etcd-snapcache/etcd-snapcache/kvproxy"
 	"github.com/etcd-snapcache/etcd-snapcache/server"
 )
@@ -34,6 +35,7 @@ const (
 	catIgnored  = "grpc-proxy flags accepted for compatibility"
 	catEmbedded = "Embedded etcd (when --endpoints is not given)"
 	catCache    = "Cache"
+	catTracing  = "Tracing (etcd's flags)"
 )
 
 // serveCommand takes every flag of `etcd grpc-proxy start`, with its name,
@@ -110,6 +112,14 @@ func serveCommand() *cli.Command {
 			&cli.BoolFlag{Name: "experimental-enable-grpc-logging", Category: catServing, Usage: "log every gRPC request and response"},
 			&cli.StringFlag{Name: "data-dir", Category: catServing, Value: d.DataDir,
 				Usage: "with --endpoints: where the cache keeps its copy on disk (--persist-cache) and --auto-tls its certificates; without: the embedded etcd's data"},
+
+			&cli.BoolFlag{Name: "enable-distributed-tracing", Category: catTracing,
+				Usage: "trace the requests served with OpenTelemetry, each span in its caller's trace (W3C trace context), and send etcd the trace context of the calls made for them"},
+			&cli.StringFlag{Name: "distributed-tracing-address", Category: catTracing, Value: d.Tracing.Address, Usage: "the OTLP/gRPC collector spans go to (plaintext)"},
+			&cli.StringFlag{Name: "distributed-tracing-service-name", Category: catTracing, Value: d.Tracing.ServiceName, Usage: "the spans' service.name"},
+			&cli.StringFlag{Name: "distributed-tracing-instance-id", Category: catTracing, Usage: "the spans' service.instance.id (none if empty)"},
+			&cli.IntFlag{Name: "distributed-tracing-sampling-rate", Category: catTracing,
+				Usage: "traces begun at the proxy that are sampled, per million (0 to 1000000); a caller's sampled trace context is followed whatever the rate"},
 
 			&cli.StringFlag{Name: "namespace", Category: catIgnored, Usage: "prefix every key with this string: not supported, refused when set"},
 			&cli.StringFlag{Name: "experimental-leasing-prefix", Category: catIgnored, Usage: "leasing metadata prefix: not supported, refused when set"},
@@ -370,6 +380,13 @@ func serverConfig(c *cli.Context, lg *zap.Logger) (server.Config, error) {
 	cfg.EnablePprof = c.Bool("enable-pprof")
 	cfg.EnableGRPCGateway = c.Bool("enable-grpc-gateway")
 	cfg.EnableGRPCLogging = c.Bool("experimental-enable-grpc-logging")
+	cfg.Tracing = tracing.Config{
+		Enabled:                c.Bool("enable-distributed-tracing"),
+		Address:                c.String("distributed-tracing-address"),
+		ServiceName:            c.String("distributed-tracing-service-name"),
+		InstanceID:             c.String("distributed-tracing-instance-id"),
+		SamplingRatePerMillion: c.Int("distributed-tracing-sampling-rate"),
+	}
 	cfg.Metrics = c.String("metrics")
 	cfg.BTreeDegree = c.Int("btree-degree")
 	cfg.MaxHistoryBytes = c.Int64("max-history-bytes")

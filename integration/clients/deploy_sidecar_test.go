@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"net"
 	"net/http"
 	"net/url"
@@ -161,6 +162,11 @@ func TestDeploySidecar(t *testing.T) {
 		t.Fatalf("kube-apiserver --help: %v\n%s", err, kubeHelp)
 	}
 	checkFlags(t, "kube-apiserver's command", kubeArgs, helpFlags(string(kubeHelp)))
+	// The flags left commented out (tracing) exist too, in one command
+	// or the other.
+	known := helpFlags(string(kubeHelp))
+	maps.Copy(known, serveFlags(t, bins.px))
+	checkFlags(t, "the commented-out flags", commentedFlags(raw), known)
 
 	// kube-apiserver -> https://127.0.0.1:P -> the proxy's --listen-addr.
 	servers, _ := flagValue(kubeArgs, "etcd-servers")
@@ -389,4 +395,16 @@ func proxyOwnMetricLines(metricsAddr, name string) (map[string]bool, []string, e
 		}
 	}
 	return names, out, nil
+}
+
+// commentedFlags returns the arguments a manifest leaves commented out
+// ("# - --flag=value").
+func commentedFlags(manifest []byte) []string {
+	var args []string
+	for line := range strings.SplitSeq(string(manifest), "\n") {
+		if arg, ok := strings.CutPrefix(strings.TrimSpace(line), "# - --"); ok {
+			args = append(args, "--"+arg)
+		}
+	}
+	return args
 }

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/metadata"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
 
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport/otlpsink"
 )
@@ -97,4 +98,91 @@ func randomHex(t *testing.T, n int) string {
 		t.Fatal(err)
 	}
 	return hex.EncodeToString(b)
+}
+
+// TestTracingThroughTheProxy: with --enable-distributed-tracing (rate 0,
+// parent-based), a caller's sampled trace goes through the proxy: the
+// proxy's server span of a Put is the caller's span's child, its call to
+// etcd the server span's child, and etcd's span that call's child. A
+// linearizable read answered from the cache has the proxy's span and no
+// etcd span (the proof that the cache is fresh is the proxy's own call,
+// which begins no trace). A caller's unsampled trace records nothing.
+func TestTracingThroughTheProxy(t *testing.T) {
+	sink := otlpsink.Start(t)
+	etcd := startEtcd(t, "etcd",
+		"--enable-distributed-tracing",
+		"--distributed-tracing-address="+sink.Addr(),
+		"--distributed-tracing-service-name=etcd")
+	px := startProxy(t, "proxy", etcd.url,
+		"--enable-distributed-tracing",
+		"--distributed-tracing-address="+sink.Addr())
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{px.addr}, DialTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	traced := func(sampled bool) (ctx context.Context, traceID, parentID string) {
+		traceID, parentID = randomHex(t, 16), randomHex(t, 8)
+		flags := "00"
+		if sampled {
+			flags = "01"
+		}
+		return metadata.AppendToOutgoingContext(t.Context(), "traceparent", fmt.Sprintf("00-%s-%s-%s", traceID, parentID, flags)), traceID, parentID
+	}
+
+	// First, so that it is exported before the others if it is at all.
+	ctx, unsampled, _ := traced(false)
+	if _, err := cli.Put(ctx, "traced", "v0"); err != nil {
+		t.Fatal(err)
+	}
+	ctx, putTrace, putParent := traced(true)
+	if _, err := cli.Put(ctx, "traced", "v1"); err != nil {
+		t.Fatal(err)
+	}
+	ctx, getTrace, getParent := traced(true)
+	if resp, err := cli.Get(ctx, "traced"); err != nil || len(resp.Kvs) != 1 || string(resp.Kvs[0].Value) != "v1" {
+		t.Fatalf("linearizable Get through the proxy: %v, %v", resp, err)
+	}
+
+	find := func(spans []otlpsink.Span, service, name string, kind tracepb.Span_SpanKind) (otlpsink.Span, bool) {
+		for _, sp := range spans {
+			if sp.Service == service && sp.Name == name && sp.Kind == kind {
+				return sp, true
+			}
+		}
+		return otlpsink.Span{}, false
+	}
+	const server, client = tracepb.Span_SPAN_KIND_SERVER, tracepb.Span_SPAN_KIND_CLIENT
+	waitUntil(t, 30*time.Second, "the Put's and the Get's spans", func() (bool, error) {
+		put := sink.Spans(putTrace)
+		proxyServer, ok := find(put, "etcd-snapcache", "etcdserverpb.KV/Put", server)
+		if !ok {
+			return false, fmt.Errorf("no proxy server span in the Put's trace: %v", put)
+		}
+		if proxyServer.ParentID != putParent {
+			return false, fmt.Errorf("the proxy's server span has parent %q, want the caller's %q", proxyServer.ParentID, putParent)
+		}
+		proxyClient, ok := find(put, "etcd-snapcache", "etcdserverpb.KV/Put", client)
+		if !ok || proxyClient.ParentID != proxyServer.SpanID {
+			return false, fmt.Errorf("the proxy's call to etcd: %+v (found %v), want the server span's child", proxyClient, ok)
+		}
+		etcdSpan, ok := find(put, "etcd", "etcdserverpb.KV/Put", server)
+		if !ok || etcdSpan.ParentID != proxyClient.SpanID {
+			return false, fmt.Errorf("etcd's span: %+v (found %v), want the proxy's call's child", etcdSpan, ok)
+		}
+		get := sink.Spans(getTrace)
+		proxyGet, ok := find(get, "etcd-snapcache", "etcdserverpb.KV/Range", server)
+		if !ok || proxyGet.ParentID != getParent {
+			return false, fmt.Errorf("the proxy's span of the Get: %+v (found %v), want the caller's span's child", proxyGet, ok)
+		}
+		return true, nil
+	}, px.process, etcd.process)
+	for _, sp := range sink.Spans(getTrace) {
+		if sp.Service != "etcd-snapcache" || sp.Kind != server {
+			t.Errorf("a read from the cache has a span %s %s (%v) beside the proxy's", sp.Service, sp.Name, sp.Kind)
+		}
+	}
+	if spans := sink.Spans(unsampled); len(spans) > 0 {
+		t.Errorf("a caller's unsampled trace recorded %d spans: %v", len(spans), spans)
+	}
 }
