@@ -274,11 +274,14 @@ func (s *Server) serveRange(ctx context.Context, r *pb.RangeRequest, encode bool
 			fctx = drain.Avoid(ctx, s.follower.WatchMember())
 		}
 		resp, err := s.forwardRange(fctx, r, served)
+		if err == nil {
+			s.traceAnswer(ctx, resp.Header.Revision, len(resp.Kvs), -1, resp)
+		}
 		return resp, nil, err
 	}
 	held, err := s.admitCached(ctx, rt.view, r, rules.opts)
 	if err != nil {
-		s.m.observe(sourceRejected, reasonMemory)
+		s.observe(ctx, sourceRejected, reasonMemory)
 		return nil, nil, err
 	}
 	result := rt.view.Result(r, rules.opts)
@@ -287,7 +290,7 @@ func (s *Server) serveRange(ctx context.Context, r *pb.RangeRequest, encode bool
 	s.follower.FillHeader(result.Header)
 	size := result.Size()
 	if held, err = s.fitCached(ctx, held, size, result.Len()); err != nil {
-		s.m.observe(sourceRejected, reasonMemory)
+		s.observe(ctx, sourceRejected, reasonMemory)
 		return nil, nil, err
 	}
 	if encode {
@@ -317,7 +320,8 @@ func (s *Server) serveRange(ctx context.Context, r *pb.RangeRequest, encode bool
 	// is the store's, which the store counts: the bytes held are an
 	// upper bound of what it adds.)
 	s.releaseCachedWhenDone(ctx, held)
-	s.m.observe(sourceCache, rt.reason)
+	s.observe(ctx, sourceCache, rt.reason)
+	s.traceAnswer(ctx, result.Header.Revision, result.Len(), size, nil)
 	if enc != nil {
 		return nil, enc, nil
 	}
@@ -410,7 +414,7 @@ func admissionError(ctx context.Context, overload error) error {
 // It counts the request once, with where it went.
 func (s *Server) settle(ctx context.Context, rt route) (release func(), err error) {
 	if rt.action == refuse {
-		s.m.observe(sourceRejected, rt.reason)
+		s.observe(ctx, sourceRejected, rt.reason)
 		return nil, rt.err
 	}
 	if ctx.Err() != nil {
@@ -418,10 +422,10 @@ func (s *Server) settle(ctx context.Context, rt route) (release func(), err erro
 	}
 	release, err = s.acquireForward(ctx)
 	if err != nil {
-		s.m.observe(sourceRejected, reasonOverload)
+		s.observe(ctx, sourceRejected, reasonOverload)
 		return nil, err
 	}
-	s.m.observe(sourceForwarded, rt.reason)
+	s.observe(ctx, sourceForwarded, rt.reason)
 	return release, nil
 }
 

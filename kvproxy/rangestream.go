@@ -41,7 +41,7 @@ func (s *Server) RangeStream(r *pb.RangeRequest, stream grpc.ServerStreamingServ
 	// A refusal comes first: a relay below must not run for a caller etcd
 	// would refuse (it would run with the proxy's connection).
 	if err := s.gate.AuthorizeRead(ctx, r.Key, r.RangeEnd, !r.Serializable); err != nil && !errors.Is(err, gate.ErrAskEtcd) {
-		s.m.observe(sourceRejected, reasonAuth)
+		s.observe(ctx, sourceRejected, reasonAuth)
 		return err
 	}
 	rules := s.rules()
@@ -83,7 +83,7 @@ func (s *Server) rangeStreamFromView(rt route, req *pb.RangeRequest, opts revtre
 	view := rt.view
 	r := proto.Clone(req).(*pb.RangeRequest)
 	if r.CountOnly {
-		s.m.observe(sourceCache, rt.reason)
+		s.observe(stream.Context(), sourceCache, rt.reason)
 		resp := view.Range(r, opts)
 		out := &pb.RangeResponse{Header: &pb.ResponseHeader{Revision: resp.Header.Revision}, Count: resp.Count}
 		s.follower.FillHeader(out.Header)
@@ -100,10 +100,10 @@ func (s *Server) rangeStreamFromView(rt route, req *pb.RangeRequest, opts revtre
 		held, err := s.admitCached(ctx, view, r, opts)
 		switch {
 		case first && err != nil:
-			s.m.observe(sourceRejected, reasonMemory)
+			s.observe(ctx, sourceRejected, reasonMemory)
 			return err
 		case first:
-			s.m.observe(sourceCache, rt.reason)
+			s.observe(ctx, sourceCache, rt.reason)
 		case err != nil:
 			return err
 		}

@@ -175,6 +175,9 @@ func TestTracingThroughTheProxy(t *testing.T) {
 		if !ok || proxyGet.ParentID != getParent {
 			return false, fmt.Errorf("the proxy's span of the Get: %+v (found %v), want the caller's span's child", proxyGet, ok)
 		}
+		if src, why := proxyGet.Attrs["snapcache.source"].GetStringValue(), proxyGet.Attrs["snapcache.reason"].GetStringValue(); src != "cache" || why != "linearizable" {
+			t.Fatalf("the Get's span says it was answered by %q (%q), want the cache (linearizable)", src, why)
+		}
 		return true, nil
 	}, px.process, etcd.process)
 	for _, sp := range sink.Spans(getTrace) {
