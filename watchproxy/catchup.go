@@ -59,6 +59,9 @@ func (st *stream) startCatchup(w *watcher) {
 	st.s.m.caughtUp()
 	st.s.lg.Debug("catching a watcher up from etcd",
 		zap.Int64("watch-id", w.id), zap.Int64("from", w.nextRev), zap.Int64("history-start", until))
+	if st.traced() {
+		st.event("watch catch-up from etcd", attrWatchID.Int64(w.id), attrFrom.Int64(w.nextRev), attrHistoryStart.Int64(until))
+	}
 	from := w.nextRev
 	st.wg.Add(1)
 	go func() {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"go.opentelemetry.io/otel/trace"
 	"io"
 	"math"
 	"sync"
@@ -56,6 +57,7 @@ type stream struct {
 	gs              pb.Watch_WatchServer
 	ctx             context.Context // canceled when run returns
 	cancel          context.CancelFunc
+	span            trace.Span      // the stream's span; it records only with tracing on
 	leaderLost      <-chan struct{} // closed when etcd loses its leader; nil unless the client requires one
 
 	reqs    chan *pb.WatchRequest // requests, in order, from the receive loop
@@ -124,6 +126,7 @@ func newStream(s *Server, gs pb.Watch_WatchServer, leaderLost <-chan struct{}) *
 		gs:              gs,
 		ctx:             ctx,
 		cancel:          cancel,
+		span:            trace.SpanFromContext(ctx),
 		leaderLost:      leaderLost,
 		reqs:            make(chan *pb.WatchRequest, 16),
 		recvErr:         make(chan error, 1),
@@ -258,6 +261,9 @@ func (st *stream) handle(req *pb.WatchRequest) error {
 func (st *stream) create(cr *pb.WatchCreateRequest) error {
 	rev := st.s.store.Rev()
 	refuse := func(reason string) error {
+		if st.traced() {
+			st.event("watch refused", attrKey.String(string(cr.Key)), attrCancelReason.String(reason))
+		}
 		return st.gs.Send(&pb.WatchResponse{Header: st.header(rev), WatchId: clientv3.InvalidWatchID, Created: true, Canceled: true, CancelReason: reason})
 	}
 	key := cr.Key
@@ -311,6 +317,10 @@ func (st *stream) create(cr *pb.WatchCreateRequest) error {
 	}
 	st.s.notify.watch(st, id, w.keyRange)
 	st.s.m.watchersAdded(1)
+	if st.traced() {
+		st.event("watch created", attrWatchID.Int64(id), attrKey.String(string(cr.Key)), attrRangeEnd.String(string(cr.RangeEnd)),
+			attrStartRevision.Int64(cr.StartRevision), attrNextRevision.Int64(w.nextRev), attrSynced.Bool(w.synced))
+	}
 	return st.gs.Send(&pb.WatchResponse{Header: st.header(rev), WatchId: id, Created: true})
 }
 
@@ -320,6 +330,9 @@ func (st *stream) cancelWatch(id int64) error {
 		return nil // etcd answers nothing for an unknown id
 	}
 	st.remove(w)
+	if st.traced() {
+		st.event("watch canceled", attrWatchID.Int64(id), attrCancelReason.String("by the client"))
+	}
 	return st.gs.Send(&pb.WatchResponse{Header: st.header(st.s.store.Rev()), WatchId: id, Canceled: true})
 }
 
@@ -345,6 +358,9 @@ func (st *stream) cancelCompacted(w *watcher, compactRev int64) error {
 	}
 	w.compacted, w.catchingUp, w.cancelCatchup = true, false, nil
 	st.s.m.compacted()
+	if st.traced() {
+		st.event("watch canceled", attrWatchID.Int64(w.id), attrCancelReason.String("compacted"), attrCompactRev.Int64(compactRev))
+	}
 	return st.gs.Send(&pb.WatchResponse{Header: st.header(0), WatchId: w.id, CompactRevision: compactRev, Canceled: true})
 }
 
@@ -353,6 +369,9 @@ func (st *stream) cancelCompacted(w *watcher, compactRev int64) error {
 // serve. The stream and its other watchers go on; the id is free again.
 func (st *stream) cancelFailed(w *watcher, reason string) error {
 	st.remove(w)
+	if st.traced() {
+		st.event("watch canceled", attrWatchID.Int64(w.id), attrCancelReason.String(reason))
+	}
 	return st.gs.Send(&pb.WatchResponse{Header: st.header(st.s.store.Rev()), WatchId: w.id, Canceled: true, CancelReason: reason})
 }
 

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -144,6 +145,21 @@ func TestTracingThroughTheProxy(t *testing.T) {
 		t.Fatalf("linearizable Get through the proxy: %v, %v", resp, err)
 	}
 
+	// A watch through the proxy, created and canceled: the stream's span
+	// ends with the stream, when the client closes.
+	wcli, err := clientv3.New(clientv3.Config{Endpoints: []string{px.addr}, DialTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, watchTrace, _ := traced(true)
+	wctx, cancelWatch := context.WithCancel(ctx)
+	wch := wcli.Watch(wctx, "traced", clientv3.WithCreatedNotify())
+	if resp := <-wch; !resp.Created {
+		t.Fatalf("watch through the proxy: %+v", resp)
+	}
+	cancelWatch()
+	wcli.Close()
+
 	find := func(spans []otlpsink.Span, service, name string, kind tracepb.Span_SpanKind) (otlpsink.Span, bool) {
 		for _, sp := range spans {
 			if sp.Service == service && sp.Name == name && sp.Kind == kind {
@@ -177,6 +193,17 @@ func TestTracingThroughTheProxy(t *testing.T) {
 		}
 		if src, why := proxyGet.Attrs["snapcache.source"].GetStringValue(), proxyGet.Attrs["snapcache.reason"].GetStringValue(); src != "cache" || why != "linearizable" {
 			t.Fatalf("the Get's span says it was answered by %q (%q), want the cache (linearizable)", src, why)
+		}
+		watch, ok := find(sink.Spans(watchTrace), "etcd-snapcache", "etcdserverpb.Watch/Watch", server)
+		if !ok {
+			return false, fmt.Errorf("no span of the watch stream yet")
+		}
+		var events []string
+		for _, ev := range watch.Events {
+			events = append(events, ev.GetName())
+		}
+		if !slices.Contains(events, "watch created") {
+			t.Fatalf("the watch stream's span has events %v, want a watch created", events)
 		}
 		return true, nil
 	}, px.process, etcd.process)

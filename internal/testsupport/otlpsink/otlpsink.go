@@ -30,6 +30,7 @@ type Span struct {
 	Kind     tracepb.Span_SpanKind
 	Attrs    map[string]*commonpb.AnyValue
 	Links    []*tracepb.Span_Link
+	Events   []*tracepb.Span_Event
 }
 
 // Sink is a running receiver.
@@ -88,6 +89,7 @@ func (s *Sink) Export(_ context.Context, req *coltracepb.ExportTraceServiceReque
 					Kind:     sp.GetKind(),
 					Attrs:    map[string]*commonpb.AnyValue{},
 					Links:    sp.GetLinks(),
+					Events:   sp.GetEvents(),
 				}
 				for _, kv := range sp.GetAttributes() {
 					got.Attrs[kv.GetKey()] = kv.GetValue()

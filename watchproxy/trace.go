@@ -1,0 +1,30 @@
+package watchproxy
+
+import (
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// A Watch stream's span (otelgrpc's server span, with
+// --enable-distributed-tracing) lasts as long as the stream; each watcher
+// it creates, catches up or cancels is an event on it.
+const (
+	attrWatchID       = attribute.Key("snapcache.watch_id")
+	attrKey           = attribute.Key("key")
+	attrRangeEnd      = attribute.Key("range_end")
+	attrStartRevision = attribute.Key("start_rev")
+	attrNextRevision  = attribute.Key("snapcache.next_revision") // the first revision it sends
+	attrSynced        = attribute.Key("snapcache.synced")        // at the head, as etcd's synced watchers
+	attrFrom          = attribute.Key("snapcache.from")
+	attrHistoryStart  = attribute.Key("snapcache.history_start") // the cache's oldest retained revision
+	attrCancelReason  = attribute.Key("snapcache.cancel_reason")
+	attrCompactRev    = attribute.Key("snapcache.compact_revision")
+)
+
+// traced reports whether the stream's span records: the events' attributes
+// are built only then.
+func (st *stream) traced() bool { return st.span.IsRecording() }
+
+func (st *stream) event(name string, attrs ...attribute.KeyValue) {
+	st.span.AddEvent(name, trace.WithAttributes(attrs...))
+}
