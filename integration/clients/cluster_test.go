@@ -102,27 +102,30 @@ func (c *etcdCluster) member(t testing.TB, addr string) *etcdProc {
 
 // status asks member m alone for its Status.
 func (m *etcdProc) status() (*clientv3.StatusResponse, error) {
-	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{m.addr}, DialTimeout: 2 * time.Second})
-	if err != nil {
-		return nil, err
-	}
-	defer cli.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	return cli.Status(ctx, m.addr)
+	return alone(m, func(ctx context.Context, cli *clientv3.Client) (*clientv3.StatusResponse, error) {
+		return cli.Status(ctx, m.addr)
+	})
 }
 
 // get reads key from member m alone, serializably: the member's own
 // answer, whichever its release.
 func (m *etcdProc) get(key string, opts ...clientv3.OpOption) (*clientv3.GetResponse, error) {
+	return alone(m, func(ctx context.Context, cli *clientv3.Client) (*clientv3.GetResponse, error) {
+		return cli.Get(ctx, key, append(opts, clientv3.WithSerializable())...)
+	})
+}
+
+// alone makes call with a client of member m alone, within 2 s.
+func alone[T any](m *etcdProc, call func(context.Context, *clientv3.Client) (T, error)) (T, error) {
 	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{m.addr}, DialTimeout: 2 * time.Second})
 	if err != nil {
-		return nil, err
+		var zero T
+		return zero, err
 	}
 	defer cli.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
-	return cli.Get(ctx, key, append(opts, clientv3.WithSerializable())...)
+	return call(ctx, cli)
 }
 
 // hang stops the member's process (SIGSTOP), as a stalled host would: its

@@ -24,11 +24,7 @@ import (
 // of the call in the caller's trace, as the child of the caller's span.
 // The proxy runs with tracing off, so it forwards the context untouched.
 func TestTraceContextForwarded(t *testing.T) {
-	sink := otlpsink.Start(t)
-	etcd := startEtcd(t, "etcd",
-		"--enable-distributed-tracing",
-		"--distributed-tracing-address="+sink.Addr(),
-		"--distributed-tracing-service-name=etcd")
+	sink, etcd := startTracingEtcd(t)
 	px := startProxy(t, "proxy", etcd.url)
 
 	calls := []struct {
@@ -61,8 +57,8 @@ func TestTraceContextForwarded(t *testing.T) {
 		}
 		defer cli.Close()
 		for _, c := range calls {
-			s := sent{side.name, c.span, randomHex(t, 16), randomHex(t, 8)}
-			ctx := metadata.AppendToOutgoingContext(t.Context(), "traceparent", fmt.Sprintf("00-%s-%s-01", s.traceID, s.parentID))
+			ctx, traceID, parentID := traced(t, true)
+			s := sent{side.name, c.span, traceID, parentID}
 			if err := c.call(ctx, cli); err != nil {
 				t.Fatalf("%s: %s: %v", side.name, c.span, err)
 			}
@@ -91,6 +87,30 @@ func TestTraceContextForwarded(t *testing.T) {
 	}, etcd.process)
 }
 
+// startTracingEtcd starts a test trace receiver and an etcd that traces
+// into it (--enable-distributed-tracing, service "etcd", at sampling
+// rate 0: it follows its callers' sampled trace contexts).
+func startTracingEtcd(t *testing.T) (*otlpsink.Sink, *etcdProc) {
+	sink := otlpsink.Start(t)
+	etcd := startEtcd(t, "etcd",
+		"--enable-distributed-tracing",
+		"--distributed-tracing-address="+sink.Addr(),
+		"--distributed-tracing-service-name=etcd")
+	return sink, etcd
+}
+
+// traced returns the test's context with a traceparent of a new trace, as
+// kube-apiserver's etcd client sends it, sampled or not, and the trace's
+// id and the caller's span id in hex.
+func traced(t *testing.T, sampled bool) (ctx context.Context, traceID, parentID string) {
+	traceID, parentID = randomHex(t, 16), randomHex(t, 8)
+	flags := "00"
+	if sampled {
+		flags = "01"
+	}
+	return metadata.AppendToOutgoingContext(t.Context(), "traceparent", fmt.Sprintf("00-%s-%s-%s", traceID, parentID, flags)), traceID, parentID
+}
+
 // randomHex returns n random bytes in hex: a trace id (16) or span id (8).
 func randomHex(t *testing.T, n int) string {
 	t.Helper()
@@ -109,11 +129,7 @@ func randomHex(t *testing.T, n int) string {
 // etcd span (the proof that the cache is fresh is the proxy's own call,
 // which begins no trace). A caller's unsampled trace records nothing.
 func TestTracingThroughTheProxy(t *testing.T) {
-	sink := otlpsink.Start(t)
-	etcd := startEtcd(t, "etcd",
-		"--enable-distributed-tracing",
-		"--distributed-tracing-address="+sink.Addr(),
-		"--distributed-tracing-service-name=etcd")
+	sink, etcd := startTracingEtcd(t)
 	px := startProxy(t, "proxy", etcd.url,
 		"--enable-distributed-tracing",
 		"--distributed-tracing-address="+sink.Addr())
@@ -122,25 +138,17 @@ func TestTracingThroughTheProxy(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cli.Close()
-	traced := func(sampled bool) (ctx context.Context, traceID, parentID string) {
-		traceID, parentID = randomHex(t, 16), randomHex(t, 8)
-		flags := "00"
-		if sampled {
-			flags = "01"
-		}
-		return metadata.AppendToOutgoingContext(t.Context(), "traceparent", fmt.Sprintf("00-%s-%s-%s", traceID, parentID, flags)), traceID, parentID
-	}
 
 	// First, so that it is exported before the others if it is at all.
-	ctx, unsampled, _ := traced(false)
+	ctx, unsampled, _ := traced(t, false)
 	if _, err := cli.Put(ctx, "traced", "v0"); err != nil {
 		t.Fatal(err)
 	}
-	ctx, putTrace, putParent := traced(true)
+	ctx, putTrace, putParent := traced(t, true)
 	if _, err := cli.Put(ctx, "traced", "v1"); err != nil {
 		t.Fatal(err)
 	}
-	ctx, getTrace, getParent := traced(true)
+	ctx, getTrace, getParent := traced(t, true)
 	if resp, err := cli.Get(ctx, "traced"); err != nil || len(resp.Kvs) != 1 || string(resp.Kvs[0].Value) != "v1" {
 		t.Fatalf("linearizable Get through the proxy: %v, %v", resp, err)
 	}
@@ -151,7 +159,7 @@ func TestTracingThroughTheProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, watchTrace, _ := traced(true)
+	ctx, watchTrace, _ := traced(t, true)
 	wctx, cancelWatch := context.WithCancel(ctx)
 	wch := wcli.Watch(wctx, "traced", clientv3.WithCreatedNotify())
 	if resp := <-wch; !resp.Created {
