@@ -198,7 +198,7 @@ type watchLag struct {
 
 // untilMove records that the stream of generation gen had applied only
 // applied when etcd had reported rev, and returns how long until it has
-// lagged watchStallTimeout (at most 0: move it now). A lag begins afresh
+// lagged watchStallTimeout (0: move it now). A lag begins afresh
 // on another stream, or once the store reached the revision the last lag
 // began at.
 func (l *watchLag) untilMove(gen uint64, rev, applied int64, now time.Time) time.Duration {
