@@ -275,7 +275,7 @@ func (s *Server) serveRange(ctx context.Context, r *pb.RangeRequest, encode bool
 		}
 		resp, err := s.forwardRange(fctx, r, served)
 		if err == nil {
-			s.traceAnswer(ctx, resp.Header.Revision, len(resp.Kvs), -1, resp)
+			s.traceAnswer(ctx, resp.GetHeader().GetRevision(), len(resp.Kvs), -1, resp)
 		}
 		return resp, nil, err
 	}

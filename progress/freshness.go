@@ -204,6 +204,11 @@ type watchLag struct {
 func (l *watchLag) untilMove(gen uint64, rev, applied int64, now time.Time) time.Duration {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if gen < l.gen {
+		// A fence of a stream already replaced: its move would be
+		// refused, and the newer stream's lag goes on being timed.
+		return watchStallTimeout
+	}
 	if l.gen != gen || applied >= l.rev {
 		l.gen, l.rev, l.since = gen, rev, now
 	}

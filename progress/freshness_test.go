@@ -24,6 +24,7 @@ func TestWatchLagCountsFromTheFirstFence(t *testing.T) {
 		{"lagged past the timeout: move now", 1, 14, 9, 1200 * time.Millisecond, 0},
 		{"caught up with the first lag's revision: a new lag", 1, 20, 10, 1300 * time.Millisecond, watchStallTimeout},
 		{"another stream: a new lag", 2, 21, 19, 1400 * time.Millisecond, watchStallTimeout},
+		{"a fence of the replaced stream does not restart it", 1, 23, 20, 2000 * time.Millisecond, watchStallTimeout},
 		{"that lag goes on", 2, 22, 20, 1900 * time.Millisecond, watchStallTimeout - 500*time.Millisecond},
 	} {
 		if got := l.untilMove(step.gen, step.rev, step.applied, t0.Add(step.at)); got != step.want {

@@ -89,6 +89,7 @@ func New(ctx context.Context, cfg Config) (*Tracing, error) {
 	}
 	res, err := resource.New(ctx, resource.WithAttributes(attrs...))
 	if err != nil {
+		_ = exporter.Shutdown(ctx)
 		return nil, fmt.Errorf("the tracing resource: %w", err)
 	}
 	return &Tracing{
