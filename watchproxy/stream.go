@@ -4,12 +4,12 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"go.opentelemetry.io/otel/trace"
 	"io"
 	"math"
 	"sync"
 	"sync/atomic"
 
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/mem"
