@@ -21,19 +21,20 @@ const notifyScanRevs = 256
 // writes' keys, a synced watcher moves past the revisions the scans found
 // nothing of its in without reading the history (skipQuiet), whenever its
 // send loop runs a pass. A quiet watcher's position may therefore lag
-// behind the store for as long as nothing wakes its stream; that is
-// harmless but in two places, which wake the streams concerned: the
-// follower has the notifier scan before it compacts, then every stream
-// run a pass (Server.SyncWatchers), so that a compaction, which drops the
-// history below it at once, never finds a quiet watcher behind it; and a
-// stream whose requested progress waits for its watchers to reach a
-// revision is woken once the scans have (wakeWhenScanned).
+// behind the store for as long as nothing wakes its stream; the scans'
+// record (interest) is what lets it move later, so the record is kept
+// true across every pass (delivered), and the follower has the notifier
+// scan before it compacts (Server.SyncWatchers): a compaction, which
+// drops the history below it at once, drops nothing the record lacks, and
+// never strands a quiet watcher behind it. A stream whose requested
+// progress waits for its watchers to reach a revision is woken once the
+// scans have (wakeWhenScanned).
 //
 // Why no event is missed: a stream registers a watcher's range before its
 // next deliver reads the store's revision. Every revision up to scanned
 // was in the store by then and is delivered from the history; every later
 // one is scanned with the range registered, and what the scan finds for
-// it is recorded (interest.first) until the send loop has delivered.
+// it is recorded (interest.revs) until the send loop has delivered it.
 type notifier struct {
 	store    Store
 	follower Follower
@@ -56,15 +57,57 @@ type notifier struct {
 	bg background // the scanning goroutine
 }
 
-// interest is a watcher's range, and what the scans know of it.
+// interestRevs bounds the revisions an interest records. A watcher with
+// more events than that between two passes of its send loop is busy: its
+// loop reads them from the history, and nothing needs to skip them.
+const interestRevs = 16
+
+// interest is a watcher's range, and what the scans know of it: from
+// known up to the notifier's scanned revision, the range's events are at
+// revs, and, if overflow, also after the last of revs.
 type interest struct {
 	keyRange
 	// known is the first revision whose events the scans have recorded
 	// for the range: the notifier knows nothing of its events below.
 	known int64
-	// first is the first revision from known on with an event in the
-	// range, 0 while none.
-	first int64
+	// revs are the revisions from known on with an event in the range,
+	// ascending, at most interestRevs of them.
+	revs []int64
+	// overflow says the range has events after the last of revs, which
+	// revs had no room for.
+	overflow bool
+}
+
+// next is the first revision from rev on that may have an event in the
+// range, as far as the scans up to scanned know: rev itself when unsure,
+// scanned+1 when the scans found none. rev is at least known.
+func (it *interest) next(rev, scanned int64) int64 {
+	for _, r := range it.revs {
+		if r >= rev {
+			return r
+		}
+	}
+	if it.overflow {
+		return rev
+	}
+	return max(rev, scanned+1)
+}
+
+// forget starts the record afresh at rev.
+func (it *interest) forget(rev int64) {
+	it.known, it.revs, it.overflow = rev, it.revs[:0], false
+}
+
+// record notes an event of the range at rev, a revision after every one
+// recorded before.
+func (it *interest) record(rev int64) {
+	switch n := len(it.revs); {
+	case rev < it.known, n > 0 && it.revs[n-1] == rev:
+	case n < interestRevs:
+		it.revs = append(it.revs, rev)
+	default:
+		it.overflow = true
+	}
 }
 
 // keyRange is a watched range: end nil for one key, empty for every key
@@ -131,25 +174,42 @@ func (n *notifier) skipQuiet(st *stream) {
 		if it == nil || !w.synced || !w.active() || w.nextRev < it.known {
 			continue
 		}
-		to := n.scanned + 1
-		if it.first != 0 {
-			to = it.first
-		}
-		w.nextRev = max(w.nextRev, to)
+		w.nextRev = it.next(w.nextRev, n.scanned)
 	}
 }
 
-// delivered starts the scans' record of st's watchers afresh after its
-// send loop moved them: from the next revision to scan on, or from a
-// watcher's position if its loop read past the scans (an event it was
-// already sent is not its next). Only st's send loop calls it.
+// delivered keeps the scans' record of st's watchers true after its send
+// loop moved them: a record now starts at its watcher's position, keeping
+// what the scans found from there on. The quiet revisions behind a
+// watcher's next event stay skippable even when the scans ran past what
+// its loop read (a loop is not stopped for them); forgotten, the watcher
+// could move past them only by reading the history, which a compaction
+// may drop first, canceling a synced watcher that etcd keeps. Only st's
+// send loop calls it.
 func (n *notifier) delivered(st *stream) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	for id, it := range n.interests[st] {
-		it.known, it.first = n.scanned+1, 0
-		if w := st.watchers[id]; w != nil {
-			it.known = max(it.known, w.nextRev)
+		w := st.watchers[id]
+		switch {
+		case w == nil:
+			it.forget(n.scanned + 1)
+		case w.nextRev < it.known:
+			// Behind the record (a pass cut short): the record stays,
+			// and the next pass reads on from the history.
+		default:
+			pos := w.nextRev
+			unsent := it.revs[:0]
+			for _, r := range it.revs {
+				if r >= pos {
+					unsent = append(unsent, r)
+				}
+			}
+			it.known, it.revs = pos, unsent
+			if it.overflow && len(unsent) == 0 {
+				// The events past the record may start at pos.
+				it.revs = append(it.revs, pos)
+			}
 		}
 	}
 }
@@ -264,7 +324,7 @@ func (n *notifier) wakeAll(rev int64) {
 	defer n.mu.Unlock()
 	for st, rs := range n.interests {
 		for _, it := range rs {
-			it.known, it.first = rev+1, 0
+			it.forget(rev + 1)
 		}
 		st.wakeUp()
 	}
@@ -273,16 +333,14 @@ func (n *notifier) wakeAll(rev int64) {
 }
 
 // concerns reports whether any event of batches is in any of rs, and
-// records in each the first revision of its events.
+// records in each the revisions of its events.
 func concerns(rs map[int64]*interest, batches []revtree.Batch) bool {
 	found := false
 	for _, b := range batches {
 		for _, ev := range b.Events {
 			for _, it := range rs {
 				if it.contains(ev.Kv.Key) {
-					if it.first == 0 && b.Rev >= it.known {
-						it.first = b.Rev
-					}
+					it.record(b.Rev)
 					found = true
 				}
 			}

@@ -144,6 +144,100 @@ func TestQuietWatcherSurvivesCompaction(t *testing.T) {
 	}
 }
 
+// TestSkipQuietAfterTheScansRanPastAPass: the scans that run while a send
+// loop is still in the pass that sent its watcher's event (it read the
+// history up to that event, the scans went on to the head) stay on record,
+// so that the watcher moves past the quiet revisions after a compaction
+// dropped them, as etcd keeps a synced watcher, instead of finding its
+// position compacted.
+func TestSkipQuietAfterTheScansRanPastAPass(t *testing.T) {
+	w := newWorld(t)
+	n := newNotifier(w.store, w.follower)
+	n.scanned = w.store.Rev()
+	wt := &watcher{keyRange: keyRange{key: []byte("b")}, synced: true, nextRev: w.store.Rev() + 1}
+	st := &stream{wake: make(chan struct{}, 1), watchers: map[int64]*watcher{0: wt}}
+	n.watch(st, 0, wt.keyRange)
+
+	own := w.applySilently(put("b", "v"))
+	n.scan()
+	n.skipQuiet(st)
+	if wt.nextRev != own {
+		t.Fatalf("watcher at %d after skipQuiet, want its event's %d", wt.nextRev, own)
+	}
+	wt.nextRev = own + 1 // the pass read the history up to its event
+	var head int64
+	for range 50 { // while it sends, the scans go on
+		head = w.applySilently(put("a", "v"))
+		n.scan()
+	}
+	n.delivered(st)
+	w.store.Compact(head)
+	n.skipQuiet(st)
+	if wt.nextRev != head+1 {
+		t.Fatalf("watcher at %d after skipQuiet, want %d: past the quiet revisions", wt.nextRev, head+1)
+	}
+	next := w.applySilently(put("b", "w"))
+	n.scan()
+	n.skipQuiet(st)
+	if wt.nextRev != next {
+		t.Fatalf("watcher at %d after skipQuiet, want its next event's %d", wt.nextRev, next)
+	}
+}
+
+// TestInterestRecord: what a watcher's record says of the revisions from
+// a position on: its next recorded event, past the scans when none, and
+// no move when its events outnumber the record (a busy watcher reads the
+// history).
+func TestInterestRecord(t *testing.T) {
+	it := &interest{known: 5}
+	it.record(4) // below the record: the loop reads it from the history
+	it.record(7)
+	it.record(7) // two events of one revision
+	it.record(9)
+	if !slices.Equal(it.revs, []int64{7, 9}) || it.overflow {
+		t.Fatalf("record %v overflow %v, want [7 9] and no overflow", it.revs, it.overflow)
+	}
+	for _, c := range []struct{ from, want int64 }{{5, 7}, {7, 7}, {8, 9}, {10, 21}, {30, 30}} {
+		if got := it.next(c.from, 20); got != c.want {
+			t.Errorf("next(%d) = %d, want %d", c.from, got, c.want)
+		}
+	}
+	full := &interest{known: 1}
+	for rev := int64(1); rev <= interestRevs+2; rev++ {
+		full.record(rev)
+	}
+	if len(full.revs) != interestRevs || !full.overflow {
+		t.Fatalf("%d revisions recorded, overflow %v: want %d and an overflow", len(full.revs), full.overflow, interestRevs)
+	}
+	if got := full.next(interestRevs+1, 40); got != interestRevs+1 {
+		t.Fatalf("next past the record of an overflowed interest = %d, want %d: unknown, so no move", got, interestRevs+1)
+	}
+
+	// delivered keeps what is still to send, and an overflow's unknown
+	// events as a possible one at the position.
+	w := newWorld(t)
+	n := newNotifier(w.store, w.follower)
+	n.scanned = 40
+	wt := &watcher{keyRange: keyRange{key: []byte("b")}, synced: true}
+	st := &stream{wake: make(chan struct{}, 1), watchers: map[int64]*watcher{0: wt}}
+	n.watch(st, 0, wt.keyRange)
+	rec := n.interests[st][0]
+	for _, rev := range []int64{41, 45} {
+		rec.record(rev)
+	}
+	wt.nextRev = 42
+	n.delivered(st)
+	if rec.known != 42 || !slices.Equal(rec.revs, []int64{45}) {
+		t.Fatalf("after delivering up to 41: known %d, revs %v; want 42, [45]", rec.known, rec.revs)
+	}
+	rec.overflow = true
+	wt.nextRev = 46
+	n.delivered(st)
+	if rec.known != 46 || !slices.Equal(rec.revs, []int64{46}) {
+		t.Fatalf("after delivering an overflowed record up to 45: known %d, revs %v; want 46, [46]", rec.known, rec.revs)
+	}
+}
+
 // TestSkipQuietAfterReadingPastTheScans: a send loop that read the history
 // past the notifier's scans (its watcher's event among what it read) still
 // skips the quiet revisions after its position: the event it was already

@@ -208,17 +208,12 @@ func New(cfg Config) *Server {
 }
 
 // SyncWatchers makes the server take note of every event the store holds
-// now, and wakes every stream. The follower calls it before a compaction
-// drops the history below it (progress.Follower.SetBeforeCompact): a
-// watcher that no event concerned then moves past the compaction, as
-// etcd's synced watchers do, instead of finding the events between its
-// position and the head gone. Only a wake moves a quiet watcher (its
-// stream has no timer), and this is when a lagging position would cost
-// it its watch.
-func (s *Server) SyncWatchers() {
-	s.notify.sync()
-	s.waker.wakeAll()
-}
+// now. The follower calls it before a compaction drops the history below
+// it (progress.Follower.SetBeforeCompact): a watcher that no event
+// concerned then moves past the compaction from the notifier's record
+// whenever its stream next runs, as etcd's synced watchers do, instead of
+// finding the events between its position and the head gone.
+func (s *Server) SyncWatchers() { s.notify.sync() }
 
 // Close ends every stream with etcd's "server stopped", which clients
 // retry elsewhere. It lets a graceful stop finish, since watch streams
