@@ -43,8 +43,16 @@ func newStreamWaker(follower Follower, consistency Consistency, interval func() 
 }
 
 // start starts the waking goroutine once, with the first stream; close
-// stops it.
-func (w *streamWaker) start() { w.bg.start(func() {}, w.run) }
+// stops it. The epoch and the failures it wakes the streams on a change
+// of are read before the first stream is, so that a change between the
+// stream's start and the goroutine's is not taken for the starting state.
+func (w *streamWaker) start() {
+	var epoch, failures uint64
+	w.bg.start(func() {
+		epoch, _ = w.follower.Epoch()
+		failures = w.consistency.Failures()
+	}, func() { w.run(epoch, failures) })
+}
 
 // close stops the waking goroutine and waits for it.
 func (w *streamWaker) close() { w.bg.close() }
@@ -62,11 +70,9 @@ func (w *streamWaker) leave(st *stream) {
 	delete(w.streams, st)
 }
 
-func (w *streamWaker) run() {
+func (w *streamWaker) run(epoch, failures uint64) {
 	timer := time.NewTimer(w.interval())
 	defer timer.Stop()
-	epoch, _ := w.follower.Epoch()
-	failures := w.consistency.Failures()
 	for {
 		var etcdTick <-chan struct{}
 		if w.followEtcd {
