@@ -92,13 +92,14 @@ func (l *lifecycle) move(to Phase) bool {
 	if !canMove(from, to) {
 		return false
 	}
+	l.phase.Store(int32(to))
 	if from == PhaseLoading {
 		l.caughtUpAt = 0
 		if to == PhaseServing {
+			// After the phase: whoever Ready wakes finds it serving.
 			close(l.ready)
 		}
 	}
-	l.phase.Store(int32(to))
 	return true
 }
 
