@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -73,7 +74,14 @@ type MirrorConfig struct {
 	// CallTimeout bounds each call of a poll (DefaultCallTimeout if 0).
 	CallTimeout time.Duration
 	Logger      *zap.Logger
+	// Tracer, if set, traces each shared AuthStatus as a span of its own
+	// (AuthStatusSpanName), which the requests checked with it link to.
+	Tracer trace.Tracer
 }
+
+// AuthStatusSpanName names the span of an AuthStatus shared by the
+// requests that prove the auth state with it.
+const AuthStatusSpanName = "snapcache.auth_status"
 
 // DefaultCallTimeout bounds each call the mirror makes. A call sent to a
 // member that hangs is answered only when gRPC keepalive gives up on it
@@ -128,6 +136,7 @@ func NewMirror(cfg MirrorConfig) *Mirror {
 	m.status = coalesce.New(func(ctx context.Context) (*pb.AuthStatusResponse, error) {
 		return m.cfg.Auth.AuthStatus(ctx, &pb.AuthStatusRequest{})
 	})
+	m.status.Trace(cfg.Tracer, AuthStatusSpanName)
 	return m
 }
 

@@ -24,6 +24,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -142,7 +143,14 @@ type Upstream struct {
 	// forwarding one if none.
 	Own      grpc.ClientConnInterface
 	Follower Follower
+	// Tracer, if set, traces the shared proofs of etcd's auth state as
+	// spans of their own, which the requests checked with them link to.
+	Tracer trace.Tracer
 }
+
+// DisabledProofSpanName names the span of a shared anonymous quorum read
+// that proves auth disabled.
+const DisabledProofSpanName = "snapcache.auth_disabled_proof"
 
 // Gate is the proxy's auth gate. New makes it; Connect gives it etcd
 // before the first request; Start and Stop run its mirror of etcd's auth
@@ -210,9 +218,11 @@ func (g *Gate) Connect(u Upstream) {
 		EnabledProbe: g.authEnabledProbe(),
 		JWT:          g.jwt,
 		Logger:       g.lg,
+		Tracer:       u.Tracer,
 	})
 	g.auth = g.mirror
 	g.disabledProof = coalesce.New(g.authEnabledNow)
+	g.disabledProof.Trace(u.Tracer, DisabledProofSpanName)
 }
 
 // Start runs the mirror of etcd's auth state, and the shared proofs, until
@@ -295,41 +305,51 @@ func (g *Gate) Forwarding() bool {
 // in it: a nil checker when auth is disabled (everything is allowed). With
 // fresh, the auth state is proven as of after the request arrived.
 // ErrAskEtcd says only etcd can judge c (a token the proxy cannot
-// attribute, or no mirror to check it with).
+// attribute, or no mirror to check it with). The request's span says
+// where the answer came from (traceAuth).
 func (g *Gate) authFor(ctx context.Context, c Caller, fresh bool) (*authcache.Checker, authcache.Identity, error) {
+	chk, id, proven, err := g.authState(ctx, c, fresh)
+	traceAuth(ctx, chk, proven, err)
+	return chk, id, err
+}
+
+// authState is authFor's answer, and whether the auth state it rests on
+// was proven as of after the request arrived: with fresh, or when the
+// mirror was too old to use.
+func (g *Gate) authState(ctx context.Context, c Caller, fresh bool) (*authcache.Checker, authcache.Identity, bool, error) {
 	var none authcache.Identity
 	if g.Forwarding() {
-		return nil, none, ErrAskEtcd
+		return nil, none, fresh, ErrAskEtcd
 	}
 	enabled, rev := false, uint64(0)
 	if fresh {
 		var err error
 		if enabled, rev, err = g.freshAuth(ctx); err != nil {
 			if c.Kind == TokenCaller {
-				return nil, none, ErrAskEtcd
+				return nil, none, fresh, ErrAskEtcd
 			}
 			if ctx.Err() != nil {
-				return nil, none, status.FromContextError(ctx.Err()).Err()
+				return nil, none, fresh, status.FromContextError(ctx.Err()).Err()
 			}
-			return nil, none, status.Errorf(codes.Unavailable, "etcd-snapcache: reading etcd's auth state: %v", err)
+			return nil, none, fresh, status.Errorf(codes.Unavailable, "etcd-snapcache: reading etcd's auth state: %v", err)
 		}
 	} else {
 		var known bool
 		if enabled, known = g.auth.Enabled(); !known {
 			if c.Kind == TokenCaller {
-				return nil, none, ErrAskEtcd
+				return nil, none, fresh, ErrAskEtcd
 			}
-			return nil, none, errAuthUnknown
+			return nil, none, fresh, errAuthUnknown
 		}
 		if g.now().Sub(g.auth.Polled()) > authcache.MaxMirrorAge {
 			if err := g.staleAuth(c); err != nil {
-				return nil, none, err
+				return nil, none, fresh, err
 			}
-			return g.authFor(ctx, c, true)
+			return g.authState(ctx, c, true)
 		}
 	}
 	if !enabled {
-		return nil, none, nil
+		return nil, none, fresh, nil
 	}
 	chk := g.auth.Checker()
 	var chkErr error // why no checker came, when one was waited for
@@ -346,24 +366,24 @@ func (g *Gate) authFor(ctx context.Context, c Caller, fresh bool) (*authcache.Ch
 		if chk == nil {
 			chk = anonymousChecker
 		}
-		return chk, none, nil
+		return chk, none, fresh, nil
 	case chk == nil && c.Kind == TokenCaller:
-		return nil, none, ErrAskEtcd
+		return nil, none, fresh, ErrAskEtcd
 	case chk == nil && !errors.Is(chkErr, authcache.ErrNoMirror):
 		if ctx.Err() != nil {
-			return nil, none, status.FromContextError(ctx.Err()).Err()
+			return nil, none, fresh, status.FromContextError(ctx.Err()).Err()
 		}
-		return nil, none, errAuthReading
+		return nil, none, fresh, errAuthReading
 	case chk == nil:
 		g.noMirrorLog.Do(func() {
 			g.lg.Error("refusing certificate-identified requests while auth is enabled: the proxy cannot read etcd's users and roles to check them; give it root credentials (--user)")
 		})
-		return nil, none, authcache.ErrNoMirror
+		return nil, none, fresh, authcache.ErrNoMirror
 	case c.Kind == CertCaller:
-		return chk, authcache.User(c.CN), nil
+		return chk, authcache.User(c.CN), fresh, nil
 	}
 	id, err := g.tokenIdentity(ctx, c.Token, chk)
-	return chk, id, err
+	return chk, id, fresh, err
 }
 
 // staleAuth decides for a request authFor would judge from the mirror

@@ -95,7 +95,7 @@ type Follower interface {
 	// BeginFence begins proving the store fresh for a linearizable read
 	// at rev, and returns the proof to wait for: the read checks
 	// permissions meanwhile.
-	BeginFence(rev int64) progress.FenceCall
+	BeginFence(ctx context.Context, rev int64) progress.FenceCall
 	// FillHeader sets the member fields of a header served from the store.
 	FillHeader(h *pb.ResponseHeader)
 	// ObserveHeader records an upstream response's header.

@@ -211,7 +211,7 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRul
 	if !r.Serializable {
 		st.serving, st.inconsistent = s.follower.Serving(), s.inconsistent()
 		if d := decide(r, st); d.next == nextFence {
-			fence = s.beginFence(d.rev)
+			fence = s.beginFence(ctx, d.rev)
 		}
 	}
 	// etcd's handler validates (done), then checks permissions.
@@ -232,13 +232,15 @@ func (s *Server) route(ctx context.Context, r *pb.RangeRequest, rules releaseRul
 			return cached(view, d.reason)
 		case nextFence:
 			if !fence.begun { // the state changed since: fence now
-				fence = s.beginFence(d.rev)
+				fence = s.beginFence(ctx, d.rev)
 			}
 			st.fence = learned{done: true, err: s.waitFence(ctx, &fence)}
 		case nextCatchUp:
 			wctx, cancel := context.WithTimeout(ctx, s.wait)
+			began := time.Now()
 			st.caughtUp = learned{done: true, err: s.follower.WaitRevision(wctx, d.rev)}
 			cancel()
+			progress.TraceRevisionWait(ctx, time.Since(began))
 		case nextView:
 			var err error
 			view, err = s.store.View(d.rev)
@@ -258,8 +260,8 @@ type fenceCall struct {
 	call     progress.FenceCall
 }
 
-func (s *Server) beginFence(rev int64) fenceCall {
-	return fenceCall{begun: true, deadline: time.Now().Add(s.fresh), call: s.follower.BeginFence(rev)}
+func (s *Server) beginFence(ctx context.Context, rev int64) fenceCall {
+	return fenceCall{begun: true, deadline: time.Now().Add(s.fresh), call: s.follower.BeginFence(ctx, rev)}
 }
 
 // fencePatience is how long a linearizable read that may fall back to

@@ -66,7 +66,7 @@ func (f *fakeFollower) WaitRevision(ctx context.Context, rev int64) error {
 	return context.DeadlineExceeded
 }
 
-func (f *fakeFollower) BeginFence(rev int64) progress.FenceCall {
+func (f *fakeFollower) BeginFence(_ context.Context, rev int64) progress.FenceCall {
 	f.begun++
 	return progress.FenceOf(func(ctx context.Context, deadline time.Time, patience time.Duration) (int64, error) {
 		f.patience = patience

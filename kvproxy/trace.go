@@ -20,15 +20,30 @@ const (
 	attrStoreRevision = attribute.Key("snapcache.store_revision") // the cache's head as it answered
 	attrKVs           = attribute.Key("snapcache.kvs")            // key-values returned
 	attrBytes         = attribute.Key("snapcache.bytes")          // the response's encoded size
+	attrFallback      = attribute.Key("snapcache.fallback")       // what a fallback event says happened
 )
 
+// fallbackEvent names the event of a read sent to etcd, or refused,
+// because the cache could not answer for etcd at all.
+const fallbackEvent = "snapcache.fallback"
+
+// fallbacks are the reasons that are fallbacks, and what the event says.
+var fallbacks = map[reason]string{
+	reasonInconsistent: "the cache failed its consistency check against etcd: etcd answers until it is reloaded",
+	reasonNotReady:     "the cache is loading or reloading from etcd",
+	reasonLoading:      "the cache is loading from etcd: small reads go to etcd, larger ones are refused",
+}
+
 // observe counts a Range by where it went and why, and says so on its
-// span. A span that does not record (tracing off, or not sampled) costs a
-// context lookup.
+// span, with an event for a fallback. A span that does not record (tracing
+// off, or not sampled) costs a context lookup.
 func (s *Server) observe(ctx context.Context, src source, why reason) {
 	s.m.observe(src, why)
 	if span := trace.SpanFromContext(ctx); span.IsRecording() {
 		span.SetAttributes(attrSource.String(string(src)), attrReason.String(string(why)))
+		if what, ok := fallbacks[why]; ok {
+			span.AddEvent(fallbackEvent, trace.WithAttributes(attrReason.String(string(why)), attrFallback.String(what)))
+		}
 	}
 }
 

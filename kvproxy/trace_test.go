@@ -2,6 +2,7 @@ package kvproxy
 
 import (
 	"context"
+	"slices"
 	"testing"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -36,6 +37,9 @@ func TestRangeSpanAttributes(t *testing.T) {
 		{"refused", func(e *routeEnv) { e.follower.serving = false }, &pb.RangeRequest{Key: []byte("a"), RangeEnd: []byte("z")}, map[attribute.Key]attribute.Value{
 			attrSource: attribute.StringValue("rejected"), attrReason: attribute.StringValue("loading"),
 		}},
+		{"forwarded: the cache found inconsistent", func(e *routeEnv) { e.cfg.Inconsistent = func() bool { return true } }, &pb.RangeRequest{Key: []byte("a")}, map[attribute.Key]attribute.Value{
+			attrSource: attribute.StringValue("forwarded"), attrReason: attribute.StringValue("inconsistent"),
+		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newRouteEnv(t)
@@ -62,6 +66,17 @@ func TestRangeSpanAttributes(t *testing.T) {
 			}
 			if _, ok := got[attrBytes]; ok != (tc.name != "refused") {
 				t.Errorf("%s set: %v; attributes %v", attrBytes, ok, got)
+			}
+			// A fallback (the cache loading, or found inconsistent) is an
+			// event on the span; a read the cache answered has none.
+			why := reason(tc.want[attrReason].AsString())
+			_, fallback := fallbacks[why]
+			var events []string
+			for _, ev := range spans[len(spans)-1].Events() {
+				events = append(events, ev.Name)
+			}
+			if got := slices.Contains(events, fallbackEvent); got != fallback {
+				t.Errorf("events %v: a %s event %v, want %v", events, fallbackEvent, got, fallback)
 			}
 		})
 	}

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
@@ -57,7 +58,14 @@ type Config struct {
 	// disk: the first load restores it and follows etcd from its
 	// revision, once it is proven etcd's history (warm.go).
 	Disk DiskCopy
+	// Tracer, if set, traces each freshness proof as a span of its own
+	// (ProofSpanName), which the reads that waited on it link to.
+	Tracer trace.Tracer
 }
+
+// ProofSpanName names the span of a freshness proof's quorum read, shared
+// by the linearizable reads that joined it.
+const ProofSpanName = "snapcache.freshness_proof"
 
 // Follower keeps a revtree.Store in step with etcd. Create it with New and
 // start it with Run. It is the one type consumers see; each of its jobs
@@ -153,6 +161,7 @@ func New(cfg Config) *Follower {
 	f.probes = newHeadProbe(func(ctx context.Context, rev int64) (int64, error) {
 		return hedgedRead(ctx, rev, headHedgeDelay, f.readHead)
 	})
+	f.probes.calls.Trace(cfg.Tracer, ProofSpanName)
 	f.ticker = &progressTicker{wc: f.wc, lg: f.lg}
 	f.compaction = newCompactionProber(f.store, f.kv, f.lg, cfg.CompactionProbeInterval, f.ObserveCompaction)
 	f.compaction.witness, f.compaction.checkHead = f.witness, f.checkHead

@@ -7,6 +7,9 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 
@@ -46,7 +49,7 @@ var (
 // unreachable, no leader, ctx done, the follower stopped) mean freshness
 // could not be proven.
 func (f *Follower) Fence(ctx context.Context, rev int64) (int64, error) {
-	c := f.BeginFence(rev)
+	c := f.BeginFence(ctx, rev)
 	return c.Wait(ctx, time.Time{}, 0)
 }
 
@@ -73,8 +76,9 @@ func FenceOf(wait func(ctx context.Context, deadline time.Time, patience time.Du
 // BeginFence begins Fence for a read at rev without blocking: the quorum
 // read it joins runs on the probe's goroutine, so that the reader can do
 // other work meanwhile (a permission check) and then Wait, with no
-// goroutine or context of its own.
-func (f *Follower) BeginFence(rev int64) FenceCall {
+// goroutine or context of its own. ctx is the reader's, for its span
+// (the proof's links to the readers that sampled it).
+func (f *Follower) BeginFence(ctx context.Context, rev int64) FenceCall {
 	c := FenceCall{f: f, start: time.Now(), gen: f.verified.Load(), rev: rev}
 	if c.gen == 0 {
 		// No stream known to continue the store's history: etcd's head
@@ -83,7 +87,7 @@ func (f *Follower) BeginFence(rev int64) FenceCall {
 		c.err = ErrNotFollowing
 		return c
 	}
-	c.probe, c.err = f.probes.join(rev)
+	c.probe, c.err = f.probes.join(ctx, rev)
 	return c
 }
 
@@ -131,6 +135,7 @@ func (c *FenceCall) Wait(ctx context.Context, deadline time.Time, patience time.
 	if err == nil {
 		head, err = f.probes.wait(ctx, c.probe, c.rev, expired, bounded)
 	}
+	proven := time.Now()
 	if err == nil && f.store.Rev() < head {
 		wctx, cancel := bounded()
 		if patience > 0 {
@@ -151,7 +156,9 @@ func (c *FenceCall) Wait(ctx context.Context, deadline time.Time, patience time.
 		}
 		cancel()
 	}
-	f.m.observeFenceWait(time.Since(c.start))
+	waited := time.Since(c.start)
+	f.m.observeFenceWait(waited)
+	traceFence(ctx, waited, time.Since(proven), head)
 	if err != nil {
 		return 0, err
 	}
@@ -159,6 +166,30 @@ func (c *FenceCall) Wait(ctx context.Context, deadline time.Time, patience time.
 		return 0, ErrNotFollowing // the stream changed while the fence waited
 	}
 	return f.store.Rev(), nil
+}
+
+// The attributes a read fence puts on its reader's span.
+const (
+	attrFreshnessWait = attribute.Key("snapcache.freshness_wait") // seconds from the fence's start to its end
+	attrRevisionWait  = attribute.Key("snapcache.revision_wait")  // seconds of it waiting for the store to apply the head
+	attrProofHead     = attribute.Key("snapcache.proof_head")     // etcd's head, as the quorum read reported it
+)
+
+// traceFence says on the reader's span, if it records, how long its fence
+// took, how much of that the store took to apply etcd's head, and the
+// head (0: the proof failed).
+func traceFence(ctx context.Context, waited, applying time.Duration, head int64) {
+	if span := trace.SpanFromContext(ctx); span.IsRecording() {
+		span.SetAttributes(attrFreshnessWait.Float64(waited.Seconds()), attrRevisionWait.Float64(applying.Seconds()), attrProofHead.Int64(head))
+	}
+}
+
+// TraceRevisionWait says on the span of ctx, if it records, how long a
+// read waited for the store to reach the revision it asked for.
+func TraceRevisionWait(ctx context.Context, waited time.Duration) {
+	if span := trace.SpanFromContext(ctx); span.IsRecording() {
+		span.SetAttributes(attrRevisionWait.Float64(waited.Seconds()))
+	}
 }
 
 // waitApplied waits for the store to reach rev through events alone.
@@ -222,6 +253,9 @@ func (f *Follower) readHead(ctx context.Context, rev int64) (int64, error) {
 	resp, err := f.kv.Range(ctx, &pb.RangeRequest{Key: probeKey, Revision: rev, CountOnly: true})
 	switch {
 	case err == nil:
+		if span := trace.SpanFromContext(ctx); span.IsRecording() {
+			span.SetAttributes(attrProofHead.Int64(resp.Header.Revision))
+		}
 		f.observeHeader(resp.Header)
 		f.upstream.observeHead(resp.Header.Revision)
 		f.checkHead(w, resp.Header.Revision)

@@ -53,18 +53,18 @@ func (p *headProbe) stop() { p.calls.Stop() }
 // do returns etcd's head from a probe that started after the call, or the
 // probe's verdict on rev.
 func (p *headProbe) do(ctx context.Context, rev int64) (int64, error) {
-	c, err := p.join(rev)
+	c, err := p.join(ctx, rev)
 	if err != nil {
 		return 0, err
 	}
 	return p.wait(ctx, c, rev, nil, nil)
 }
 
-// join joins the reader to a probe that starts after the call, without
-// waiting for it: the probe runs on the probe's goroutine while the reader
-// does other work, and wait collects its answer.
-func (p *headProbe) join(rev int64) (*coalesce.Run[int64], error) {
-	c, err := p.calls.Join(rev)
+// join joins the reader of ctx to a probe that starts after the call,
+// without waiting for it: the probe runs on the probe's goroutine while
+// the reader does other work, and wait collects its answer.
+func (p *headProbe) join(ctx context.Context, rev int64) (*coalesce.Run[int64], error) {
+	c, err := p.calls.Join(ctx, rev)
 	if err != nil {
 		return nil, errStopped // Join's one refusal: not started, or stopped
 	}
@@ -84,6 +84,7 @@ func (p *headProbe) wait(ctx context.Context, c *coalesce.Run[int64], rev int64,
 	case <-expired:
 		return 0, context.DeadlineExceeded
 	}
+	c.Link(ctx)
 	head, err := c.Answer()
 	if err != nil && rev != c.Rev() && (errors.Is(err, ErrCompacted) || errors.Is(err, ErrFutureRev)) {
 		// The verdict was on another reader's revision: ask for ours.

@@ -4,10 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/etcd-snapcache/etcd-snapcache/internal/coalesce"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/testsupport"
 )
 
@@ -140,7 +147,7 @@ func TestHeadProbeJoinThenWait(t *testing.T) {
 	p.start(ctx)
 	defer p.stop()
 
-	c, err := p.join(0)
+	c, err := p.join(context.Background(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -164,7 +171,7 @@ func TestHeadProbeJoinThenWait(t *testing.T) {
 func TestHeadProbeStopRunsTheProbeInFlight(t *testing.T) {
 	p := newHeadProbe(func(context.Context, int64) (int64, error) { return 42, nil })
 	p.start(context.Background())
-	c, err := p.join(0)
+	c, err := p.join(context.Background(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -174,7 +181,7 @@ func TestHeadProbeStopRunsTheProbeInFlight(t *testing.T) {
 	if head, err := p.wait(ctx, c, 0, nil, nil); head != 42 || err != nil {
 		t.Fatalf("wait = %d, %v; want 42 from the probe put in flight before stop", head, err)
 	}
-	if _, err := p.join(0); !errors.Is(err, errStopped) {
+	if _, err := p.join(context.Background(), 0); !errors.Is(err, errStopped) {
 		t.Fatalf("join after stop: %v, want errStopped", err)
 	}
 }
@@ -298,5 +305,95 @@ func TestHedgedRead(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestHeadProbeTraced: a traced probe is one span of its own, in which its
+// quorum read runs, linked to the sampled readers that joined it; each
+// reader's span links back to it once answered, and says how long its
+// fence waited and the head the proof reported.
+func TestHeadProbeTraced(t *testing.T) {
+	recorder := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(recorder))
+	defer tp.Shutdown(context.Background())
+	tracer := tp.Tracer("test")
+
+	readIn := make(chan trace.SpanContext, 3)
+	p := newHeadProbe(func(ctx context.Context, rev int64) (int64, error) {
+		readIn <- trace.SpanContextFromContext(ctx)
+		return 7, nil
+	})
+	p.calls.Trace(tracer, ProofSpanName)
+	p.start(context.Background())
+	defer p.stop()
+
+	var readers []trace.Span
+	var runs []*coalesce.Run[int64]
+	// The first reader's probe starts at once; the next two share the one
+	// after it.
+	for range 3 {
+		ctx, span := tracer.Start(context.Background(), "etcdserverpb.KV/Range")
+		c, err := p.join(ctx, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		readers, runs = append(readers, span), append(runs, c)
+	}
+	for i, span := range readers {
+		ctx := trace.ContextWithSpan(context.Background(), span)
+		if head, err := p.wait(ctx, runs[i], 0, nil, nil); head != 7 || err != nil {
+			t.Fatalf("reader %d: wait = %d, %v; want 7", i, head, err)
+		}
+		traceFence(ctx, time.Millisecond, 0, 7)
+		span.End()
+	}
+	proofs := map[trace.SpanID]sdktrace.ReadOnlySpan{}
+	for _, sp := range recorder.Ended() {
+		if sp.Name() == ProofSpanName {
+			proofs[sp.SpanContext().SpanID()] = sp
+		}
+	}
+	if len(proofs) != 2 {
+		t.Fatalf("%d proof spans, want 2 (one at once, one shared by the two readers after)", len(proofs))
+	}
+	for range 2 {
+		in := <-readIn
+		if _, ok := proofs[in.SpanID()]; !ok {
+			t.Fatalf("a quorum read ran in span %v, not a proof's", in.SpanID())
+		}
+	}
+	for i, sp := range recorder.Ended() {
+		if sp.Name() != "etcdserverpb.KV/Range" {
+			continue
+		}
+		if len(sp.Links()) != 1 {
+			t.Fatalf("reader %d has links %v, want its proof", i, sp.Links())
+		}
+		proof, ok := proofs[sp.Links()[0].SpanContext.SpanID()]
+		if !ok {
+			t.Fatalf("reader %d links to %v, not a proof", i, sp.Links()[0].SpanContext.SpanID())
+		}
+		if !slices.ContainsFunc(proof.Links(), func(l sdktrace.Link) bool { return l.SpanContext.SpanID() == sp.SpanContext().SpanID() }) {
+			t.Errorf("the proof reader %d waited on does not link to it: %v", i, proof.Links())
+		}
+		if proof.Parent().IsValid() {
+			t.Errorf("a proof has parent %v, want a trace of its own", proof.Parent())
+		}
+		attrs := map[attribute.Key]attribute.Value{}
+		for _, kv := range sp.Attributes() {
+			attrs[kv.Key] = kv.Value
+		}
+		if attrs[attrProofHead].AsInt64() != 7 || attrs[attrFreshnessWait].Type() != attribute.FLOAT64 {
+			t.Errorf("reader %d's attributes %v, want the proof's head and the fence's wait", i, attrs)
+		}
+	}
+	for _, proof := range proofs {
+		attrs := map[attribute.Key]attribute.Value{}
+		for _, kv := range proof.Attributes() {
+			attrs[kv.Key] = kv.Value
+		}
+		if n := attrs["snapcache.callers"].AsInt64(); n != int64(len(proof.Links())) {
+			t.Errorf("proof with %d callers and links %v: want a link to each", n, proof.Links())
+		}
 	}
 }

@@ -45,6 +45,7 @@ func (s *Server) buildCache() {
 		BeforeLoadPage:          cfg.BeforeLoadPage,
 		History:                 verifier,
 		Disk:                    disk,
+		Tracer:                  s.tracing.Tracer(),
 	})
 	s.checker = hashcheck.New(hashcheck.Config{
 		Verifier:   verifier,

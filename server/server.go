@@ -140,6 +140,7 @@ func Start(cfg Config) (*Server, error) {
 		Forwarding: s.client.ActiveConnection(),
 		Own:        s.own.ActiveConnection(),
 		Follower:   s.follower,
+		Tracer:     s.tracing.Tracer(),
 	})
 	s.registerMetrics()
 	if err := s.listen(); err != nil {

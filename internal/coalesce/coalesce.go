@@ -20,12 +20,33 @@
 // A caller may ask for a revision (Join): the call then runs at the least
 // revision its callers asked for, and each caller judges the answer for
 // its own revision (Run.Rev).
+//
+// Traced (Trace), each run a sampled caller joined is a span of its own,
+// in a trace of its own: it serves many callers, so it is no one caller's
+// child. Each caller links to it once it has the answer (Run.Link), and
+// the run's span links to the sampled callers that joined it before it
+// started, which make it sampled (package tracing's sampler).
 package coalesce
 
 import (
 	"context"
 	"errors"
 	"sync"
+
+	"go.opentelemetry.io/otel/attribute"
+	otelcodes "go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// maxLinks bounds the callers a run's span links to: enough to find a
+// sampled caller's trace from the run, few enough that a burst of
+// thousands of callers costs the span nothing more.
+const maxLinks = 8
+
+// The attributes of a run's span.
+const (
+	attrCallers = attribute.Key("snapcache.callers")  // callers that joined the run
+	attrRev     = attribute.Key("snapcache.revision") // the least revision they asked for; 0 none
 )
 
 // ErrStopped is returned once the owner stopped the Call, or before it
@@ -38,6 +59,10 @@ var ErrStopped = errors.New("coalesce: stopped")
 // not grown again each time.
 type Call[T any] struct {
 	fn func(ctx context.Context, rev int64) (T, error)
+	// tracer and spanName, set by Trace before Start, make each run a
+	// span; nil: untraced.
+	tracer   trace.Tracer
+	spanName string
 
 	wg   sync.WaitGroup // the goroutine running calls, from Start to Stop
 	kick chan struct{}  // buffered 1: a run was put in flight
@@ -59,6 +84,12 @@ type Run[T any] struct {
 	// read by the runner when the run starts, no longer changing.
 	rev     int64
 	waiters int // callers that joined; under Call.mu
+	// links are the sampled callers that joined, at most maxLinks; under
+	// Call.mu until the run starts, no longer changing then.
+	links []trace.Link
+	// span is the run's span, written by the runner before fn runs and
+	// read after done is closed; invalid when untraced.
+	span trace.SpanContext
 	// val and err are fn's answer, written by the runner before done is
 	// closed and read only after.
 	val T
@@ -74,6 +105,13 @@ func New[T any](fn func(ctx context.Context) (T, error)) *Call[T] {
 // the run's callers asked for (0: none asked).
 func NewAtRev[T any](fn func(ctx context.Context, rev int64) (T, error)) *Call[T] {
 	return &Call[T]{fn: fn, kick: make(chan struct{}, 1), quit: make(chan struct{})}
+}
+
+// Trace makes each run a span named name of tracer, which fn's context
+// carries (its calls to etcd are the span's children). It is called
+// before Start; a nil tracer leaves the Call untraced.
+func (c *Call[T]) Trace(tracer trace.Tracer, name string) {
+	c.tracer, c.spanName = tracer, name
 }
 
 // Start lets calls run, under ctx, on the Call's goroutine. It is called
@@ -102,7 +140,7 @@ func (c *Call[T]) Stop() {
 
 // Do returns the answer of a run of fn that started after Do was called.
 func (c *Call[T]) Do(ctx context.Context) (T, error) {
-	r, err := c.Join(0)
+	r, err := c.Join(ctx, 0)
 	if err != nil {
 		var zero T
 		return zero, err
@@ -112,8 +150,9 @@ func (c *Call[T]) Do(ctx context.Context) (T, error) {
 
 // Join joins the caller to a run of fn that starts after the call, asking
 // for rev (0: none), without waiting for it: the run goes on while the
-// caller does other work, and Wait or Done collects its answer.
-func (c *Call[T]) Join(rev int64) (*Run[T], error) {
+// caller does other work, and Wait or Done collects its answer. ctx is the
+// caller's only for its span, which a traced run links to if sampled.
+func (c *Call[T]) Join(ctx context.Context, rev int64) (*Run[T], error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.stopped || c.ctx == nil {
@@ -133,6 +172,11 @@ func (c *Call[T]) Join(rev int64) (*Run[T], error) {
 		r.rev = minPositive(r.rev, rev)
 	}
 	r.waiters++
+	if c.tracer != nil && len(r.links) < maxLinks {
+		if sc := trace.SpanContextFromContext(ctx); sc.IsSampled() {
+			r.links = append(r.links, trace.Link{SpanContext: sc})
+		}
+	}
 	return r, nil
 }
 
@@ -169,12 +213,45 @@ func (c *Call[T]) loop(ctx context.Context) {
 // runFrom runs r, then the run that waited behind it, until none waits.
 func (c *Call[T]) runFrom(ctx context.Context, r *Run[T]) {
 	for r != nil {
-		r.val, r.err = c.fn(ctx, r.rev)
+		r.val, r.err = c.run(ctx, r)
 		c.mu.Lock()
 		close(r.done)
 		r = c.next
 		c.inFlight, c.next = r, nil
 		c.mu.Unlock()
+	}
+}
+
+// run runs fn for r, in r's span when traced and a sampled caller joined
+// it: the sampler drops the span of a run no sampled caller joined, so it
+// is not started (a span costs allocations even unsampled). r's callers
+// have all joined: their fields no longer change.
+func (c *Call[T]) run(ctx context.Context, r *Run[T]) (T, error) {
+	if c.tracer == nil || len(r.links) == 0 {
+		return c.fn(ctx, r.rev)
+	}
+	ctx, span := c.tracer.Start(ctx, c.spanName, trace.WithNewRoot(), trace.WithLinks(r.links...))
+	defer span.End()
+	r.span = span.SpanContext()
+	val, err := c.fn(ctx, r.rev)
+	if span.IsRecording() {
+		span.SetAttributes(attrCallers.Int(r.waiters), attrRev.Int64(r.rev))
+		if err != nil {
+			span.SetStatus(otelcodes.Error, err.Error())
+		}
+	}
+	return val, err
+}
+
+// Link links the span of ctx, if it records, to the run's span: the
+// caller's trace then shows the run that answered it. It is called after
+// Done is closed.
+func (r *Run[T]) Link(ctx context.Context) {
+	if !r.span.IsValid() {
+		return
+	}
+	if span := trace.SpanFromContext(ctx); span.IsRecording() {
+		span.AddLink(trace.Link{SpanContext: r.span})
 	}
 }
 
@@ -192,6 +269,7 @@ func (r *Run[T]) Rev() int64 { return r.rev }
 func (r *Run[T]) Wait(ctx context.Context) (T, error) {
 	select {
 	case <-r.done:
+		r.Link(ctx)
 		return r.val, r.err
 	case <-ctx.Done():
 		var zero T

@@ -7,6 +7,9 @@ import (
 	"sync/atomic"
 	"testing"
 
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/goleak"
 )
 
@@ -95,7 +98,7 @@ func TestJoinAtTheLeastRevision(t *testing.T) {
 	c.Start(context.Background())
 	defer c.Stop()
 
-	first, err := c.Join(0)
+	first, err := c.Join(context.Background(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -104,7 +107,7 @@ func TestJoinAtTheLeastRevision(t *testing.T) {
 	}
 	var queued []*Run[int64]
 	for _, rev := range []int64{7, 0, 5, 9} {
-		r, err := c.Join(rev)
+		r, err := c.Join(context.Background(), rev)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -142,7 +145,7 @@ func TestJoinThenWait(t *testing.T) {
 	c.Start(context.Background())
 	defer c.Stop()
 
-	r, err := c.Join(0)
+	r, err := c.Join(context.Background(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -168,7 +171,7 @@ func TestJoinThenWait(t *testing.T) {
 func TestStopRunsTheRunInFlight(t *testing.T) {
 	c := New(func(context.Context) (int, error) { return 42, nil })
 	c.Start(context.Background())
-	r, err := c.Join(0)
+	r, err := c.Join(context.Background(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -181,8 +184,62 @@ func TestStopRunsTheRunInFlight(t *testing.T) {
 	if v, err := r.Answer(); v != 42 || err != nil {
 		t.Fatalf("Answer = %d, %v; want 42 from the run put in flight before Stop", v, err)
 	}
-	if _, err := c.Join(0); err != ErrStopped {
+	if _, err := c.Join(context.Background(), 0); err != ErrStopped {
 		t.Fatalf("Join after Stop: %v", err)
 	}
 	c.Stop()
+}
+
+// TestTracedRun: a traced run that a sampled caller joined is a span of
+// its own (no parent), which fn's context carries, linked to its sampled
+// callers and linked from each caller's span; a run that no sampled
+// caller joined is no span at all.
+func TestTracedRun(t *testing.T) {
+	recorder := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(recorder))
+	defer tp.Shutdown(context.Background())
+	tracer := tp.Tracer("test")
+
+	inRun := make(chan trace.SpanContext, 2)
+	c := New(func(ctx context.Context) (int, error) {
+		inRun <- trace.SpanContextFromContext(ctx)
+		return 1, nil
+	})
+	c.Trace(tracer, "shared")
+	ctx, cancel := context.WithCancel(context.Background())
+	c.Start(ctx)
+	defer func() { cancel(); c.Stop() }()
+
+	// Unsampled: no span for the run.
+	if _, err := c.Do(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if sc := <-inRun; sc.IsValid() {
+		t.Fatalf("a run no sampled caller joined ran in span %v", sc)
+	}
+
+	callerCtx, caller := tracer.Start(context.Background(), "caller")
+	if _, err := c.Do(callerCtx); err != nil {
+		t.Fatal(err)
+	}
+	caller.End()
+	in := <-inRun
+	var run, callerSpan sdktrace.ReadOnlySpan
+	for _, sp := range recorder.Ended() {
+		switch sp.Name() {
+		case "shared":
+			run = sp
+		case "caller":
+			callerSpan = sp
+		}
+	}
+	if run == nil || run.SpanContext().SpanID() != in.SpanID() || run.Parent().IsValid() {
+		t.Fatalf("run span %v: want the span fn ran in (%v), with no parent", run, in.SpanID())
+	}
+	if l := run.Links(); len(l) != 1 || l[0].SpanContext.SpanID() != callerSpan.SpanContext().SpanID() {
+		t.Errorf("the run links to %v, want its caller", l)
+	}
+	if l := callerSpan.Links(); len(l) != 1 || l[0].SpanContext.SpanID() != in.SpanID() {
+		t.Errorf("the caller links to %v, want the run", l)
+	}
 }

@@ -11,6 +11,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"go.opentelemetry.io/otel/attribute"
@@ -21,6 +23,8 @@ import (
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/stats"
 )
 
 // Defaults of Config, as the flags give them: etcd's address, and the
@@ -67,6 +71,9 @@ func (c Config) Validate() error {
 type Tracing struct {
 	provider    *sdktrace.TracerProvider
 	propagators propagation.TextMapPropagator
+	// rootRate is the sampling rate per million of traces begun at the
+	// proxy.
+	rootRate int
 }
 
 // New starts the exporter and the provider; nil, nil when cfg is off. The
@@ -99,6 +106,7 @@ func New(ctx context.Context, cfg Config) (*Tracing, error) {
 			sdktrace.WithSampler(ownCallsUnsampled{sdktrace.ParentBased(rootSampler(cfg.SamplingRatePerMillion))}),
 		),
 		propagators: propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}),
+		rootRate:    cfg.SamplingRatePerMillion,
 	}, nil
 }
 
@@ -111,22 +119,41 @@ func rootSampler(perMillion int) sdktrace.Sampler {
 	return sdktrace.TraceIDRatioBased(float64(perMillion) / MaxSamplingRatePerMillion)
 }
 
-// ownCallsUnsampled drops the root spans of the proxy's own calls to etcd
-// (client spans with no parent: its upstream watch, the quorum reads that
-// prove the cache fresh, the probes of its members every second), which
-// no caller asked for; a sampled rate would otherwise fill the collector
-// with them. Everything else is the inner sampler's.
+// ownCallsUnsampled samples the proxy's own work only for a sampled
+// caller. A span with no parent that is not a server span is the proxy's
+// own: a call to etcd (its upstream watch, the members' probes every
+// second, the compaction probe) or a run shared by many requests (a
+// freshness proof, an AuthStatus; package coalesce), which no one caller
+// is the parent of. It is sampled when a sampled caller's span is linked
+// at its start (a shared run links to the sampled requests that joined
+// it), and dropped otherwise: at any rate above 0 the proxy's background
+// calls would fill the collector. Everything else is the inner
+// sampler's.
 type ownCallsUnsampled struct{ inner sdktrace.Sampler }
 
 func (s ownCallsUnsampled) ShouldSample(p sdktrace.SamplingParameters) sdktrace.SamplingResult {
-	if p.Kind == trace.SpanKindClient && !trace.SpanContextFromContext(p.ParentContext).IsValid() {
-		return sdktrace.SamplingResult{Decision: sdktrace.Drop}
+	if p.Kind == trace.SpanKindServer || trace.SpanContextFromContext(p.ParentContext).IsValid() {
+		return s.inner.ShouldSample(p)
 	}
-	return s.inner.ShouldSample(p)
+	for _, l := range p.Links {
+		if l.SpanContext.IsSampled() {
+			return sdktrace.SamplingResult{Decision: sdktrace.RecordAndSample}
+		}
+	}
+	return sdktrace.SamplingResult{Decision: sdktrace.Drop}
 }
 
 func (s ownCallsUnsampled) Description() string {
 	return "OwnCallsUnsampled{" + s.inner.Description() + "}"
+}
+
+// Tracer is the proxy's tracer of its own spans (shared proofs); nil when
+// tracing is off.
+func (t *Tracing) Tracer() trace.Tracer {
+	if t == nil {
+		return nil
+	}
+	return t.provider.Tracer("github.com/etcd-snapcache/etcd-snapcache")
 }
 
 // options are otelgrpc's, with the provider and propagators explicit:
@@ -136,23 +163,112 @@ func (t *Tracing) options() []otelgrpc.Option {
 	return []otelgrpc.Option{otelgrpc.WithTracerProvider(t.provider), otelgrpc.WithPropagators(t.propagators)}
 }
 
-// ServerOptions trace every RPC the proxy serves, each span a child of
-// its caller's trace context if it sent one.
+// ServerOptions trace every RPC the proxy serves that is sampled, each
+// span a child of its caller's trace context if it sent one.
 func (t *Tracing) ServerOptions() []grpc.ServerOption {
 	if t == nil {
 		return nil
 	}
-	return []grpc.ServerOption{grpc.StatsHandler(otelgrpc.NewServerHandler(t.options()...))}
+	return []grpc.ServerOption{grpc.StatsHandler(sampledOnly{otelgrpc.NewServerHandler(t.options()...), t.serverMaySample})}
 }
 
-// DialOptions trace the calls to etcd, each a child of the span of the
-// RPC it is made for, and send etcd the trace context.
+// DialOptions trace the calls to etcd made in a sampled span, each a child
+// of that span, and send etcd its trace context.
 func (t *Tracing) DialOptions() []grpc.DialOption {
 	if t == nil {
 		return nil
 	}
-	return []grpc.DialOption{grpc.WithStatsHandler(otelgrpc.NewClientHandler(t.options()...))}
+	return []grpc.DialOption{grpc.WithStatsHandler(sampledOnly{otelgrpc.NewClientHandler(t.options()...), inSampledSpan})}
 }
+
+// serverMaySample reports whether an RPC the proxy serves may be sampled:
+// not when its caller sent a valid unsampled trace context (the sampler
+// follows it), nor when it sent none and the rate is 0.
+func (t *Tracing) serverMaySample(ctx context.Context) bool {
+	v := metadata.ValueFromIncomingContext(ctx, traceparentKey)
+	if len(v) == 0 {
+		return t.rootRate > 0
+	}
+	sampled, valid := traceparentFlags(v[0])
+	return sampled || !valid && t.rootRate > 0
+}
+
+// inSampledSpan reports whether a call to etcd is made in a sampled span:
+// the only ones the sampler records (ownCallsUnsampled, and the parent's
+// decision).
+func inSampledSpan(ctx context.Context) bool { return trace.SpanContextFromContext(ctx).IsSampled() }
+
+// traceparentKey is the W3C trace context's metadata key.
+const traceparentKey = "traceparent"
+
+// traceparentFlags reads the sampled flag of a W3C traceparent
+// (version-traceid-parentid-flags), and whether the header is one the
+// TraceContext propagator takes for a parent. Only a version 00 header is
+// read; any other is taken as possibly valid and sampled, and left for
+// otelgrpc to read.
+func traceparentFlags(h string) (sampled, valid bool) {
+	if len(h) != 55 || h[:3] != "00-" || h[35] != '-' || h[52] != '-' {
+		return true, len(h) >= 55 && h[:2] != "00" && h[:2] != "ff"
+	}
+	if !nonZeroHex(h[3:35]) || !nonZeroHex(h[36:52]) {
+		return false, false
+	}
+	flags, err := strconv.ParseUint(h[53:55], 16, 8)
+	if err != nil || strings.ToLower(h[53:55]) != h[53:55] {
+		return false, false
+	}
+	return flags&1 == 1, true
+}
+
+// nonZeroHex reports whether s is lower-case hex and not all zeros, as a
+// trace or span id must be.
+func nonZeroHex(s string) bool {
+	zero := true
+	for i := range len(s) {
+		switch c := s[i]; {
+		case c == '0':
+		case c >= '1' && c <= '9', c >= 'a' && c <= 'f':
+			zero = false
+		default:
+			return false
+		}
+	}
+	return !zero
+}
+
+// sampledOnly runs otelgrpc's handler only for the RPCs that may be
+// sampled (admit). For the rest it costs one check, where otelgrpc's
+// handler costs dozens of allocations for a span nobody records (the
+// metadata copied, the span, its attributes, the duration metric): with
+// tracing on at rate 0, most RPCs carry no sampled context. An RPC it
+// skips still carries its caller's trace context to etcd (package server
+// copies it), as with tracing off.
+type sampledOnly struct {
+	inner stats.Handler
+	admit func(ctx context.Context) bool
+}
+
+// skipped marks the context of an RPC sampledOnly skipped.
+type skipped struct{}
+
+func (h sampledOnly) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Context {
+	if !h.admit(ctx) {
+		return context.WithValue(ctx, skipped{}, true)
+	}
+	return h.inner.TagRPC(ctx, info)
+}
+
+func (h sampledOnly) HandleRPC(ctx context.Context, s stats.RPCStats) {
+	if ctx.Value(skipped{}) == nil {
+		h.inner.HandleRPC(ctx, s)
+	}
+}
+
+func (h sampledOnly) TagConn(ctx context.Context, info *stats.ConnTagInfo) context.Context {
+	return h.inner.TagConn(ctx, info)
+}
+
+func (h sampledOnly) HandleConn(ctx context.Context, s stats.ConnStats) { h.inner.HandleConn(ctx, s) }
 
 // Shutdown exports the spans still buffered and stops the exporter.
 func (t *Tracing) Shutdown(ctx context.Context) error {

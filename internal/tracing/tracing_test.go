@@ -7,6 +7,8 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/goleak"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/stats"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -37,22 +39,31 @@ func TestSampler(t *testing.T) {
 		TraceID: trace.TraceID{1}, SpanID: trace.SpanID{1}, TraceFlags: trace.FlagsSampled, Remote: true}))
 	unsampledParent := trace.ContextWithRemoteSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
 		TraceID: trace.TraceID{1}, SpanID: trace.SpanID{1}, Remote: true}))
+	sampledCaller := trace.Link{SpanContext: trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: trace.TraceID{3}, SpanID: trace.SpanID{3}, TraceFlags: trace.FlagsSampled})}
+	unsampledCaller := trace.Link{SpanContext: trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: trace.TraceID{4}, SpanID: trace.SpanID{4}})}
 	for _, tc := range []struct {
-		name string
-		rate int
-		ctx  context.Context
-		kind trace.SpanKind
-		want sdktrace.SamplingDecision
+		name  string
+		rate  int
+		ctx   context.Context
+		kind  trace.SpanKind
+		links []trace.Link
+		want  sdktrace.SamplingDecision
 	}{
-		{"a caller's sampled trace, rate 0", 0, sampledParent, trace.SpanKindServer, sdktrace.RecordAndSample},
-		{"the call to etcd for it", 0, sampledParent, trace.SpanKindClient, sdktrace.RecordAndSample},
-		{"a caller's unsampled trace, every trace sampled", MaxSamplingRatePerMillion, unsampledParent, trace.SpanKindServer, sdktrace.Drop},
-		{"a request with no trace, rate 0", 0, context.Background(), trace.SpanKindServer, sdktrace.Drop},
-		{"a request with no trace, every trace sampled", MaxSamplingRatePerMillion, context.Background(), trace.SpanKindServer, sdktrace.RecordAndSample},
-		{"the proxy's own call, every trace sampled", MaxSamplingRatePerMillion, context.Background(), trace.SpanKindClient, sdktrace.Drop},
+		{"a caller's sampled trace, rate 0", 0, sampledParent, trace.SpanKindServer, nil, sdktrace.RecordAndSample},
+		{"the call to etcd for it", 0, sampledParent, trace.SpanKindClient, nil, sdktrace.RecordAndSample},
+		{"a caller's unsampled trace, every trace sampled", MaxSamplingRatePerMillion, unsampledParent, trace.SpanKindServer, nil, sdktrace.Drop},
+		{"a request with no trace, rate 0", 0, context.Background(), trace.SpanKindServer, nil, sdktrace.Drop},
+		{"a request with no trace, every trace sampled", MaxSamplingRatePerMillion, context.Background(), trace.SpanKindServer, nil, sdktrace.RecordAndSample},
+		{"the proxy's own call, every trace sampled", MaxSamplingRatePerMillion, context.Background(), trace.SpanKindClient, nil, sdktrace.Drop},
+		{"a shared proof a sampled caller joined, rate 0", 0, context.Background(), trace.SpanKindInternal, []trace.Link{unsampledCaller, sampledCaller}, sdktrace.RecordAndSample},
+		{"a shared proof no sampled caller joined, every trace sampled", MaxSamplingRatePerMillion, context.Background(), trace.SpanKindInternal, []trace.Link{unsampledCaller}, sdktrace.Drop},
+		{"a shared proof's call to etcd, the proof sampled", 0, sampledParent, trace.SpanKindClient, nil, sdktrace.RecordAndSample},
+		{"a shared proof's call to etcd, the proof unsampled", MaxSamplingRatePerMillion, unsampledParent, trace.SpanKindClient, nil, sdktrace.Drop},
 	} {
 		s := ownCallsUnsampled{sdktrace.ParentBased(rootSampler(tc.rate))}
-		got := s.ShouldSample(sdktrace.SamplingParameters{ParentContext: tc.ctx, TraceID: trace.TraceID{2}, Name: "etcdserverpb.KV/Range", Kind: tc.kind})
+		got := s.ShouldSample(sdktrace.SamplingParameters{ParentContext: tc.ctx, TraceID: trace.TraceID{2}, Name: "etcdserverpb.KV/Range", Kind: tc.kind, Links: tc.links})
 		if got.Decision != tc.want {
 			t.Errorf("%s: %v, want %v", tc.name, got.Decision, tc.want)
 		}
@@ -85,3 +96,86 @@ func TestOnStartsAndStops(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestSampledOnly: otelgrpc's handlers run only for the RPCs that may be
+// sampled: a served RPC whose caller sent a sampled trace context, or none
+// (or one the propagator refuses) while traces begun at the proxy are
+// sampled; a call to etcd made in a sampled span. The rest cost a check.
+func TestSampledOnly(t *testing.T) {
+	const (
+		sampled   = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+		unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
+		zeroTrace = "00-00000000000000000000000000000000-b7ad6b7169203331-01"
+		upperFlag = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-0A"
+		future    = "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00-more"
+	)
+	for _, tc := range []struct {
+		name        string
+		rate        int
+		traceparent string // none if empty
+		want        bool
+	}{
+		{"sampled caller, rate 0", 0, sampled, true},
+		{"unsampled caller, every trace sampled", MaxSamplingRatePerMillion, unsampled, false},
+		{"no trace context, rate 0", 0, "", false},
+		{"no trace context, rate above 0", 1, "", true},
+		{"an invalid trace id, rate 0: no parent", 0, zeroTrace, false},
+		{"an invalid trace id, rate above 0: a root", 1, zeroTrace, true},
+		{"upper-case flags, rate 0: no parent", 0, upperFlag, false},
+		{"a later version: otelgrpc reads it", 0, future, true},
+	} {
+		tr := &Tracing{rootRate: tc.rate}
+		ctx := context.Background()
+		if tc.traceparent != "" {
+			ctx = metadata.NewIncomingContext(ctx, metadata.Pairs("traceparent", tc.traceparent))
+		}
+		inner := &countingHandler{}
+		h := sampledOnly{inner, tr.serverMaySample}
+		ctx = h.TagRPC(ctx, &stats.RPCTagInfo{FullMethodName: "/etcdserverpb.KV/Range"})
+		h.HandleRPC(ctx, &stats.End{})
+		if got := inner.tagged == 1 && inner.handled == 1; got != tc.want || inner.tagged != inner.handled {
+			t.Errorf("%s: otelgrpc tagged %d, handled %d; want it to run: %v", tc.name, inner.tagged, inner.handled, tc.want)
+		}
+	}
+
+	sampledSpan := trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: trace.TraceID{1}, SpanID: trace.SpanID{1}, TraceFlags: trace.FlagsSampled}))
+	unsampledSpan := trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: trace.TraceID{1}, SpanID: trace.SpanID{1}}))
+	for _, tc := range []struct {
+		name string
+		ctx  context.Context
+		want bool
+	}{
+		{"a call in a sampled span", sampledSpan, true},
+		{"a call in an unsampled span", unsampledSpan, false},
+		{"the proxy's own call", context.Background(), false},
+	} {
+		inner := &countingHandler{}
+		h := sampledOnly{inner, inSampledSpan}
+		h.HandleRPC(h.TagRPC(tc.ctx, &stats.RPCTagInfo{}), &stats.End{})
+		if got := inner.tagged == 1 && inner.handled == 1; got != tc.want {
+			t.Errorf("%s: otelgrpc tagged %d, handled %d; want it to run: %v", tc.name, inner.tagged, inner.handled, tc.want)
+		}
+	}
+}
+
+// countingHandler counts the RPCs it is given.
+type countingHandler struct{ tagged, handled int }
+
+type tagged struct{}
+
+func (h *countingHandler) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context {
+	h.tagged++
+	return context.WithValue(ctx, tagged{}, true)
+}
+
+func (h *countingHandler) HandleRPC(ctx context.Context, _ stats.RPCStats) {
+	if ctx.Value(tagged{}) != nil {
+		h.handled++
+	}
+}
+func (h *countingHandler) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context {
+	return ctx
+}
+func (h *countingHandler) HandleConn(context.Context, stats.ConnStats) {}
