@@ -8,6 +8,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"slices"
 	"strings"
 
 	gw "github.com/grpc-ecosystem/grpc-gateway/v2/runtime"
@@ -78,6 +79,7 @@ func (s *Server) newGateway() (*gateway, error) {
 	// etcd's options: the protobuf field names, no unset fields, unknown
 	// fields of a request ignored.
 	mux := gw.NewServeMux(
+		gw.WithIncomingHeaderMatcher(gatewayHeader),
 		gw.WithMarshalerOption(gw.MIMEWildcard,
 			&gw.HTTPBodyMarshaler{
 				Marshaler: compactJSON{&gw.JSONPb{
@@ -124,6 +126,19 @@ func (s *Server) newGateway() (*gateway, error) {
 		},
 	}
 	return g, nil
+}
+
+// gatewayHeader passes an HTTP request's W3C trace context and baggage
+// to the gRPC call the gateway makes for it, as gRPC metadata of the same
+// names (traceContextKeys), so that the call's spans (the proxy's with
+// --enable-distributed-tracing, and etcd's for what it forwards) join the
+// HTTP caller's trace; etcd's gateway drops them. Other headers are
+// grpc-gateway's, as etcd's gateway passes them.
+func gatewayHeader(key string) (string, bool) {
+	if k := strings.ToLower(key); slices.Contains(traceContextKeys, k) {
+		return k, true
+	}
+	return gw.DefaultHeaderMatcher(key)
 }
 
 func (g *gateway) close() {

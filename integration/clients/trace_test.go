@@ -5,7 +5,10 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"io"
+	"net/http"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -21,11 +24,15 @@ import (
 // kube-apiserver's etcd client sends it (traceparent), reaches etcd with it
 // through the proxy as it does directly: etcd, tracing with every sampled
 // parent followed (its sampling rate 0 is parent-based), records its span
-// of the call in the caller's trace, as the child of the caller's span.
-// The proxy runs with tracing off, so it forwards the context untouched.
+// of the call in the caller's trace. With tracing off the proxy forwards
+// the context untouched, and etcd's span is the child of the caller's;
+// with tracing on, of the proxy's call, the child of the proxy's span of
+// the caller's call. So too for a call to the proxy's JSON gateway with
+// the trace context in HTTP headers (etcd's own gateway drops it).
 func TestTraceContextForwarded(t *testing.T) {
 	sink, etcd := startTracingEtcd(t)
 	px := startProxy(t, "proxy", etcd.url)
+	tracedPx := startProxy(t, "traced", etcd.url, "--enable-distributed-tracing", "--distributed-tracing-address="+sink.Addr())
 
 	calls := []struct {
 		span string // etcd's span of the call
@@ -48,9 +55,12 @@ func TestTraceContextForwarded(t *testing.T) {
 			return err
 		}},
 	}
-	type sent struct{ side, span, traceID, parentID string }
+	type sent struct {
+		side, span, traceID, parentID string
+		viaProxySpans                 bool // the proxy traces: etcd's span hangs below its spans
+	}
 	var all []sent
-	for _, side := range []struct{ name, addr string }{{"direct", etcd.addr}, {"proxy", px.addr}} {
+	for _, side := range []struct{ name, addr string }{{"direct", etcd.addr}, {"proxy", px.addr}, {"traced proxy", tracedPx.addr}} {
 		cli, err := clientv3.New(clientv3.Config{Endpoints: []string{side.addr}, DialTimeout: 5 * time.Second})
 		if err != nil {
 			t.Fatal(err)
@@ -58,22 +68,56 @@ func TestTraceContextForwarded(t *testing.T) {
 		defer cli.Close()
 		for _, c := range calls {
 			ctx, traceID, parentID := traced(t, true)
-			s := sent{side.name, c.span, traceID, parentID}
+			s := sent{side.name, c.span, traceID, parentID, side.addr == tracedPx.addr}
 			if err := c.call(ctx, cli); err != nil {
 				t.Fatalf("%s: %s: %v", side.name, c.span, err)
 			}
 			all = append(all, s)
 		}
 	}
+	for _, side := range []struct{ name, addr string }{{"proxy's gateway", px.addr}, {"traced proxy's gateway", tracedPx.addr}} {
+		traceID, parentID := randomHex(t, 16), randomHex(t, 8)
+		req, err := http.NewRequest(http.MethodPost, "http://"+side.addr+"/v3/kv/put", strings.NewReader(`{"key":"dHJhY2Vk","value":"Z3c="}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("traceparent", "00-"+traceID+"-"+parentID+"-01")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatalf("%s: %v", side.name, err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("%s: put: %s %s", side.name, resp.Status, body)
+		}
+		all = append(all, sent{side.name, "etcdserverpb.KV/Put", traceID, parentID, side.addr == tracedPx.addr})
+	}
 	// etcd exports in batches, every 5 s.
 	waitUntil(t, 30*time.Second, "etcd's span of each call in the caller's trace", func() (bool, error) {
 		for _, s := range all {
 			var names []string
 			found := false
-			for _, sp := range sink.Spans(s.traceID) {
+			spans := sink.Spans(s.traceID)
+			byID := map[string]otlpsink.Span{}
+			for _, sp := range spans {
+				byID[sp.SpanID] = sp
+			}
+			for _, sp := range spans {
 				if sp.Service == "etcd" && sp.Name == s.span {
-					if sp.ParentID != s.parentID {
-						return false, fmt.Errorf("%s: etcd's %s span has parent %q, want the caller's %q", s.side, s.span, sp.ParentID, s.parentID)
+					want := s.parentID
+					if s.viaProxySpans {
+						// etcd's span < the proxy's call < the proxy's span < the caller's.
+						call := byID[sp.ParentID]
+						served := byID[call.ParentID]
+						if call.Service != "etcd-snapcache" || call.Kind != tracepb.Span_SPAN_KIND_CLIENT ||
+							served.Service != "etcd-snapcache" || served.Kind != tracepb.Span_SPAN_KIND_SERVER {
+							return false, fmt.Errorf("%s: etcd's %s span's parent %+v and its parent %+v: want the proxy's call and its span of the caller's call", s.side, s.span, call, served)
+						}
+						sp = served
+					}
+					if sp.ParentID != want {
+						return false, fmt.Errorf("%s: the %s span has parent %q, want the caller's %q", s.side, s.span, sp.ParentID, want)
 					}
 					found = true
 				}
