@@ -19,6 +19,7 @@ import (
 	"github.com/etcd-snapcache/etcd-snapcache/internal/backoff"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/drain"
 	"github.com/etcd-snapcache/etcd-snapcache/internal/streamrelay"
+	"github.com/etcd-snapcache/etcd-snapcache/internal/tracing"
 )
 
 // keepAliveBuffer bounds the responses queued for one client stream. A
@@ -34,7 +35,7 @@ var errKeepAliveBacklog = status.Error(codes.ResourceExhausted, "etcd-snapcache:
 // identity by keepAlives coalescers: the anonymous callers' (ka) and, for
 // certificate callers, whose every request the gate checked, the proxy's
 // (asProxyKA). A token caller's stream is relayed to etcd, which checks
-// each keepalive under that token.
+// each keepalive under that token; so is a stream in a sampled trace.
 type leaseServer struct {
 	pb.UnsafeLeaseServer
 	upstream  pb.LeaseClient
@@ -67,14 +68,20 @@ func (l *leaseServer) LeaseLeases(ctx context.Context, r *pb.LeaseLeasesRequest)
 func (l *leaseServer) LeaseKeepAlive(stream pb.Lease_LeaseKeepAliveServer) error {
 	ctx := stream.Context()
 	ka := l.ka
-	switch l.callerOf(ctx).Kind {
-	case gate.TokenCaller:
-		up, err := l.upstream.LeaseKeepAlive(ctx)
-		if err != nil {
-			return err
+	kind := l.callerOf(ctx).Kind
+	switch {
+	case kind == gate.TokenCaller:
+		return l.relayKeepAlive(ctx, stream)
+	case tracing.CallerSampled(ctx):
+		// A stream in a sampled trace goes to etcd whole, with its trace
+		// context, so that etcd's spans of it join the caller's trace as
+		// they do directly: a shared stream has no one caller's context.
+		// Few are (kube-apiserver keeps one per process).
+		if kind == gate.CertCaller {
+			ctx = gate.AsProxy(ctx)
 		}
-		return streamrelay.Relay[pb.LeaseKeepAliveRequest, pb.LeaseKeepAliveResponse](up, stream)
-	case gate.CertCaller:
+		return l.relayKeepAlive(ctx, stream)
+	case kind == gate.CertCaller:
 		ka = l.asProxyKA
 	}
 	w := newKeepAliveWaiter(ctx.Done())
@@ -114,6 +121,16 @@ func (l *leaseServer) LeaseKeepAlive(stream pb.Lease_LeaseKeepAliveServer) error
 			return ctx.Err()
 		}
 	}
+}
+
+// relayKeepAlive relays a client's keepalive stream to etcd as a stream of
+// its own, under ctx.
+func (l *leaseServer) relayKeepAlive(ctx context.Context, stream pb.Lease_LeaseKeepAliveServer) error {
+	up, err := l.upstream.LeaseKeepAlive(ctx)
+	if err != nil {
+		return err
+	}
+	return streamrelay.Relay[pb.LeaseKeepAliveRequest, pb.LeaseKeepAliveResponse](up, stream)
 }
 
 // keepAliveWaiter is one client stream waiting for keepalive responses.

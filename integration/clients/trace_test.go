@@ -27,8 +27,9 @@ import (
 // of the call in the caller's trace. With tracing off the proxy forwards
 // the context untouched, and etcd's span is the child of the caller's;
 // with tracing on, of the proxy's call, the child of the proxy's span of
-// the caller's call. So too for a call to the proxy's JSON gateway with
-// the trace context in HTTP headers (etcd's own gateway drops it).
+// the caller's call. So too for a lease keepalive stream, and for a call
+// to the proxy's JSON gateway with the trace context in HTTP headers
+// (etcd's own gateway drops it).
 func TestTraceContextForwarded(t *testing.T) {
 	sink, etcd := startTracingEtcd(t)
 	px := startProxy(t, "proxy", etcd.url)
@@ -52,6 +53,16 @@ func TestTraceContextForwarded(t *testing.T) {
 		}},
 		{"etcdserverpb.Cluster/MemberList", func(ctx context.Context, cli *clientv3.Client) error {
 			_, err := cli.MemberList(ctx)
+			return err
+		}},
+		// A keepalive stream: the proxy relays one in a sampled trace
+		// rather than coalescing it onto its shared upstream stream.
+		{"etcdserverpb.Lease/LeaseKeepAlive", func(ctx context.Context, cli *clientv3.Client) error {
+			lease, err := cli.Grant(ctx, 60)
+			if err != nil {
+				return err
+			}
+			_, err = cli.KeepAliveOnce(ctx, lease.ID)
 			return err
 		}},
 	}

@@ -193,6 +193,19 @@ func (t *Tracing) serverMaySample(ctx context.Context) bool {
 	return sampled || !valid && t.rootRate > 0
 }
 
+// CallerSampled reports whether the caller of an incoming RPC sent a
+// valid W3C trace context that is sampled: one whose work etcd records
+// (with its tracing on) when it receives it, whether or not the proxy
+// traces.
+func CallerSampled(ctx context.Context) bool {
+	v := metadata.ValueFromIncomingContext(ctx, traceparentKey)
+	if len(v) == 0 {
+		return false
+	}
+	sampled, valid := traceparentFlags(v[0])
+	return sampled && valid
+}
+
 // inSampledSpan reports whether a call to etcd is made in a sampled span:
 // the only ones the sampler records (ownCallsUnsampled, and the parent's
 // decision).
