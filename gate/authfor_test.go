@@ -8,6 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -372,6 +375,51 @@ func authForCases(t *testing.T) []authForCase {
 	}
 }
 
+// tracer records every span, for the attributes authFor puts on a
+// request's.
+var tracer = sdktrace.NewTracerProvider().Tracer("test")
+
+// attrOf is a recorded span's string attribute k.
+func attrOf(span trace.Span, k attribute.Key) string {
+	for _, kv := range span.(sdktrace.ReadOnlySpan).Attributes() {
+		if kv.Key == k {
+			return kv.Value.Emit()
+		}
+	}
+	return ""
+}
+
+// TestTraceAuth: where a permission answer came from, as the request's
+// span says it.
+func TestTraceAuth(t *testing.T) {
+	c5 := newChecker(t, 5)
+	for _, tc := range []struct {
+		name   string
+		chk    *authcache.Checker
+		proven bool
+		err    error
+		want   string
+	}{
+		{"only etcd can judge the caller", nil, false, ErrAskEtcd, authFromEtcd},
+		{"the mirror too old, the caller sent to etcd", nil, false, ErrMirrorStale, authFromEtcd},
+		{"the auth state unknown", nil, true, errAuthUnknown, authUnknown},
+		{"auth disabled", nil, true, nil, authFromDisabled},
+		{"the mirror", c5, false, nil, authFromMirror},
+		{"the mirror at a proven revision", c5, true, nil, authFromProof},
+		{"the mirror, the caller's token refused", c5, false, rpctypes.ErrGRPCInvalidAuthToken, authFromMirror},
+	} {
+		ctx, span := tracer.Start(context.Background(), tc.name)
+		traceAuth(ctx, tc.chk, tc.proven, tc.err)
+		span.End()
+		if got := attrOf(span, attrAuth); got != tc.want {
+			t.Errorf("%s: snapcache.auth %q, want %q", tc.name, got, tc.want)
+		}
+		if rev := attrOf(span, attrAuthRevision); (tc.chk != nil) != (rev != "") {
+			t.Errorf("%s: snapcache.auth_revision %q with checker %v", tc.name, rev, tc.chk != nil)
+		}
+	}
+}
+
 // TestAuthFor: authFor's answer, for each auth state, to each kind of
 // caller, for each kind of request: the checker (none with auth
 // disabled), the caller's identity in it, or the error (ErrAskEtcd: etcd
@@ -398,7 +446,13 @@ func TestAuthFor(t *testing.T) {
 						ctx, cancel = context.WithCancel(ctx)
 						cancel()
 					}
+					ctx, span := tracer.Start(ctx, "request")
 					chk, id, err := g.authFor(ctx, c.caller, kind.fresh)
+					span.End()
+					// The span says where the answer came from.
+					if got := attrOf(span, attrAuth); got == "" || kind.fresh && chk != nil && err == nil && got != authFromProof {
+						t.Errorf("snapcache.auth %q for a %s answered by %s, %v", got, kind.name, checkerName(chk), err)
+					}
 					w := want.of(i)
 					// With an error, no caller uses the checker or identity.
 					if !sameError(err, w.err) || err == nil && (chk != w.chk || id != w.id) {
