@@ -118,6 +118,11 @@ func (s *Server) newGRPCServer(svc services) *grpc.Server {
 	s.registry.MustRegister(serverMetrics)
 	unary := []grpc.UnaryServerInterceptor{serverMetrics.unary(s.gate.UnaryServerInterceptor)}
 	stream := []grpc.StreamServerInterceptor{serverMetrics.stream, s.endOnStop, s.gate.StreamServerInterceptor}
+	if s.tracing != nil {
+		// First, so that the others (the gate's checks) see the span.
+		unary = append([]grpc.UnaryServerInterceptor{s.tracing.UnaryServerInterceptor()}, unary...)
+		stream = append([]grpc.StreamServerInterceptor{s.tracing.StreamServerInterceptor()}, stream...)
+	}
 	if s.cfg.EnableGRPCLogging {
 		unary = append(unary, interceptors.UnaryServerInterceptor(payloadLogger(s.lg.Named("grpc"))))
 		stream = append(stream, interceptors.StreamServerInterceptor(payloadLogger(s.lg.Named("grpc"))))
@@ -153,7 +158,6 @@ func (s *Server) newGRPCServer(svc services) *grpc.Server {
 		// server (serveClientPort): its credentials expose it.
 		opts = append(opts, grpc.Creds(tlsmux.Credentials()))
 	}
-	opts = append(opts, s.tracing.ServerOptions()...)
 	opts = append(opts, s.cfg.GRPCServerOptions...)
 	gs := grpc.NewServer(opts...)
 

@@ -24,7 +24,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
-	"google.golang.org/grpc/stats"
 )
 
 // Defaults of Config, as the flags give them: etcd's address, and the
@@ -69,11 +68,11 @@ func (c Config) Validate() error {
 // Tracing is the proxy's tracer provider and the gRPC options that use it.
 // A nil *Tracing is tracing off: it installs nothing.
 type Tracing struct {
-	provider    *sdktrace.TracerProvider
-	propagators propagation.TextMapPropagator
+	provider *sdktrace.TracerProvider
 	// rootRate is the sampling rate per million of traces begun at the
 	// proxy.
 	rootRate int
+	rpc      rpcTracer
 }
 
 // New starts the exporter and the provider; nil, nil when cfg is off. The
@@ -99,15 +98,22 @@ func New(ctx context.Context, cfg Config) (*Tracing, error) {
 		_ = exporter.Shutdown(ctx)
 		return nil, fmt.Errorf("the tracing resource: %w", err)
 	}
-	return &Tracing{
+	t := &Tracing{
 		provider: sdktrace.NewTracerProvider(
 			sdktrace.WithBatcher(exporter),
 			sdktrace.WithResource(res),
 			sdktrace.WithSampler(ownCallsUnsampled{sdktrace.ParentBased(rootSampler(cfg.SamplingRatePerMillion))}),
 		),
-		propagators: propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}),
-		rootRate:    cfg.SamplingRatePerMillion,
-	}, nil
+		rootRate: cfg.SamplingRatePerMillion,
+	}
+	// otelgrpc's defaults are the process's globals, which the proxy
+	// leaves alone: the provider and the propagators are explicit.
+	opts := []otelgrpc.Option{
+		otelgrpc.WithTracerProvider(t.provider),
+		otelgrpc.WithPropagators(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})),
+	}
+	t.rpc = rpcTracer{server: otelgrpc.NewServerHandler(opts...), client: otelgrpc.NewClientHandler(opts...), serverMaySample: t.serverMaySample}
+	return t, nil
 }
 
 // rootSampler samples the traces begun at the proxy, as etcd's
@@ -156,29 +162,34 @@ func (t *Tracing) Tracer() trace.Tracer {
 	return t.provider.Tracer("github.com/etcd-snapcache/etcd-snapcache")
 }
 
-// options are otelgrpc's, with the provider and propagators explicit:
-// otelgrpc's defaults are the process's globals, which the proxy leaves
-// alone.
-func (t *Tracing) options() []otelgrpc.Option {
-	return []otelgrpc.Option{otelgrpc.WithTracerProvider(t.provider), otelgrpc.WithPropagators(t.propagators)}
-}
-
-// ServerOptions trace every RPC the proxy serves that is sampled, each
-// span a child of its caller's trace context if it sent one.
-func (t *Tracing) ServerOptions() []grpc.ServerOption {
+// UnaryServerInterceptor and StreamServerInterceptor trace every RPC the
+// proxy serves that may be sampled, each span a child of its caller's
+// trace context if it sent one: the first of the server's interceptors,
+// so that the others see the span. nil when tracing is off.
+func (t *Tracing) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 	if t == nil {
 		return nil
 	}
-	return []grpc.ServerOption{grpc.StatsHandler(sampledOnly{otelgrpc.NewServerHandler(t.options()...), t.serverMaySample})}
+	return t.rpc.unaryServer
+}
+
+// StreamServerInterceptor: see UnaryServerInterceptor.
+func (t *Tracing) StreamServerInterceptor() grpc.StreamServerInterceptor {
+	if t == nil {
+		return nil
+	}
+	return t.rpc.streamServer
 }
 
 // DialOptions trace the calls to etcd made in a sampled span, each a child
-// of that span, and send etcd its trace context.
+// of that span, and send etcd its trace context. They come after the
+// connection's other interceptors: the trace context they write replaces
+// the caller's, which package server copies for every forwarded call.
 func (t *Tracing) DialOptions() []grpc.DialOption {
 	if t == nil {
 		return nil
 	}
-	return []grpc.DialOption{grpc.WithStatsHandler(sampledOnly{otelgrpc.NewClientHandler(t.options()...), inSampledSpan})}
+	return []grpc.DialOption{grpc.WithChainUnaryInterceptor(t.rpc.unaryClient), grpc.WithChainStreamInterceptor(t.rpc.streamClient)}
 }
 
 // serverMaySample reports whether an RPC the proxy serves may be sampled:
@@ -248,40 +259,6 @@ func nonZeroHex(s string) bool {
 	}
 	return !zero
 }
-
-// sampledOnly runs otelgrpc's handler only for the RPCs that may be
-// sampled (admit). For the rest it costs one check, where otelgrpc's
-// handler costs dozens of allocations for a span nobody records (the
-// metadata copied, the span, its attributes, the duration metric): with
-// tracing on at rate 0, most RPCs carry no sampled context. An RPC it
-// skips still carries its caller's trace context to etcd (package server
-// copies it), as with tracing off.
-type sampledOnly struct {
-	inner stats.Handler
-	admit func(ctx context.Context) bool
-}
-
-// skipped marks the context of an RPC sampledOnly skipped.
-type skipped struct{}
-
-func (h sampledOnly) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Context {
-	if !h.admit(ctx) {
-		return context.WithValue(ctx, skipped{}, true)
-	}
-	return h.inner.TagRPC(ctx, info)
-}
-
-func (h sampledOnly) HandleRPC(ctx context.Context, s stats.RPCStats) {
-	if ctx.Value(skipped{}) == nil {
-		h.inner.HandleRPC(ctx, s)
-	}
-}
-
-func (h sampledOnly) TagConn(ctx context.Context, info *stats.ConnTagInfo) context.Context {
-	return h.inner.TagConn(ctx, info)
-}
-
-func (h sampledOnly) HandleConn(ctx context.Context, s stats.ConnStats) { h.inner.HandleConn(ctx, s) }
 
 // Shutdown exports the spans still buffered and stops the exporter.
 func (t *Tracing) Shutdown(ctx context.Context) error {

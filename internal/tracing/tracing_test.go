@@ -2,11 +2,13 @@ package tracing
 
 import (
 	"context"
+	"io"
 	"testing"
 
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/goleak"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/stats"
 )
@@ -77,7 +79,7 @@ func TestOffInstallsNothing(t *testing.T) {
 	if err != nil || tr != nil {
 		t.Fatalf("New(off) = %v, %v; want nil, nil", tr, err)
 	}
-	if len(tr.ServerOptions()) != 0 || len(tr.DialOptions()) != 0 || tr.Shutdown(context.Background()) != nil {
+	if tr.UnaryServerInterceptor() != nil || tr.StreamServerInterceptor() != nil || len(tr.DialOptions()) != 0 || tr.Shutdown(context.Background()) != nil {
 		t.Fatal("a nil Tracing installs something")
 	}
 }
@@ -89,19 +91,20 @@ func TestOnStartsAndStops(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(tr.ServerOptions()) != 1 || len(tr.DialOptions()) != 1 {
-		t.Fatalf("options: server %d, dial %d; want 1 each", len(tr.ServerOptions()), len(tr.DialOptions()))
+	if tr.UnaryServerInterceptor() == nil || tr.StreamServerInterceptor() == nil || len(tr.DialOptions()) != 2 {
+		t.Fatalf("interceptors: unary %v, stream %v, dial options %d; want both and 2", tr.UnaryServerInterceptor() != nil, tr.StreamServerInterceptor() != nil, len(tr.DialOptions()))
 	}
 	if err := tr.Shutdown(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 }
 
-// TestSampledOnly: otelgrpc's handlers run only for the RPCs that may be
+// TestRPCTracer: otelgrpc's handlers run only for the RPCs that may be
 // sampled: a served RPC whose caller sent a sampled trace context, or none
 // (or one the propagator refuses) while traces begun at the proxy are
 // sampled; a call to etcd made in a sampled span. The rest cost a check.
-func TestSampledOnly(t *testing.T) {
+// A traced call's stream ends its span when it ends.
+func TestRPCTracer(t *testing.T) {
 	const (
 		sampled   = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 		unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
@@ -130,11 +133,20 @@ func TestSampledOnly(t *testing.T) {
 			ctx = metadata.NewIncomingContext(ctx, metadata.Pairs("traceparent", tc.traceparent))
 		}
 		inner := &countingHandler{}
-		h := sampledOnly{inner, tr.serverMaySample}
-		ctx = h.TagRPC(ctx, &stats.RPCTagInfo{FullMethodName: "/etcdserverpb.KV/Range"})
-		h.HandleRPC(ctx, &stats.End{})
-		if got := inner.tagged == 1 && inner.handled == 1; got != tc.want || inner.tagged != inner.handled {
-			t.Errorf("%s: otelgrpc tagged %d, handled %d; want it to run: %v", tc.name, inner.tagged, inner.handled, tc.want)
+		r := rpcTracer{server: inner, serverMaySample: tr.serverMaySample}
+		var inHandler context.Context
+		_, err := r.unaryServer(ctx, nil, &grpc.UnaryServerInfo{FullMethod: "/etcdserverpb.KV/Range"}, func(ctx context.Context, _ any) (any, error) {
+			inHandler = ctx
+			return nil, nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := inner.tagged == 1 && inner.ended == 1; got != tc.want || inner.tagged != inner.ended {
+			t.Errorf("%s: otelgrpc tagged %d, ended %d; want it to run: %v", tc.name, inner.tagged, inner.ended, tc.want)
+		}
+		if tagged := inHandler.Value(tagged{}) != nil; tagged != tc.want {
+			t.Errorf("%s: the handler's context tagged %v, want %v", tc.name, tagged, tc.want)
 		}
 	}
 
@@ -152,16 +164,59 @@ func TestSampledOnly(t *testing.T) {
 		{"the proxy's own call", context.Background(), false},
 	} {
 		inner := &countingHandler{}
-		h := sampledOnly{inner, inSampledSpan}
-		h.HandleRPC(h.TagRPC(tc.ctx, &stats.RPCTagInfo{}), &stats.End{})
-		if got := inner.tagged == 1 && inner.handled == 1; got != tc.want {
-			t.Errorf("%s: otelgrpc tagged %d, handled %d; want it to run: %v", tc.name, inner.tagged, inner.handled, tc.want)
+		r := rpcTracer{client: inner}
+		err := r.unaryClient(tc.ctx, "/etcdserverpb.KV/Put", nil, nil, nil, func(ctx context.Context, _ string, _, _ any, _ *grpc.ClientConn, _ ...grpc.CallOption) error {
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
 		}
+		if got := inner.tagged == 1 && inner.ended == 1; got != tc.want {
+			t.Errorf("%s: otelgrpc tagged %d, ended %d; want it to run: %v", tc.name, inner.tagged, inner.ended, tc.want)
+		}
+	}
+
+	// A traced stream's span ends when its reader reaches its end, once.
+	inner := &countingHandler{}
+	r := rpcTracer{client: inner}
+	fake := &fakeClientStream{ctx: context.Background(), msgs: 2}
+	cs, err := r.streamClient(sampledSpan, &grpc.StreamDesc{ServerStreams: true}, nil, "/etcdserverpb.Watch/Watch",
+		func(context.Context, *grpc.StreamDesc, *grpc.ClientConn, string, ...grpc.CallOption) (grpc.ClientStream, error) {
+			return fake, nil
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for cs.RecvMsg(nil) == nil {
+		if inner.ended != 0 {
+			t.Fatal("the stream's span ended before the stream")
+		}
+	}
+	_ = cs.RecvMsg(nil)
+	if inner.tagged != 1 || inner.ended != 1 {
+		t.Fatalf("stream: otelgrpc tagged %d, ended %d; want 1 each", inner.tagged, inner.ended)
 	}
 }
 
-// countingHandler counts the RPCs it is given.
-type countingHandler struct{ tagged, handled int }
+// fakeClientStream answers msgs messages, then io.EOF.
+type fakeClientStream struct {
+	grpc.ClientStream
+	ctx  context.Context
+	msgs int
+}
+
+func (s *fakeClientStream) Context() context.Context { return s.ctx }
+
+func (s *fakeClientStream) RecvMsg(any) error {
+	if s.msgs == 0 {
+		return io.EOF
+	}
+	s.msgs--
+	return nil
+}
+
+// countingHandler counts the RPCs it is given, and their ends.
+type countingHandler struct{ tagged, ended int }
 
 type tagged struct{}
 
@@ -170,9 +225,9 @@ func (h *countingHandler) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) conte
 	return context.WithValue(ctx, tagged{}, true)
 }
 
-func (h *countingHandler) HandleRPC(ctx context.Context, _ stats.RPCStats) {
-	if ctx.Value(tagged{}) != nil {
-		h.handled++
+func (h *countingHandler) HandleRPC(ctx context.Context, s stats.RPCStats) {
+	if _, ok := s.(*stats.End); ok && ctx.Value(tagged{}) != nil {
+		h.ended++
 	}
 }
 func (h *countingHandler) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context {
