@@ -299,6 +299,18 @@
 //     (etcd_snapcache_disk_writes_total, the mean of
 //     etcd_snapcache_disk_write_seconds); etcd_snapcache_disk_write_failing
 //     must be 0.
+//   - BenchmarkTracingCost: what --enable-distributed-tracing costs: one
+//     etcd with -snapcache.e2e.tracing-keys (10,000) keys, and three proxies
+//     in front of it, off, rate0 (tracing on, sampling rate 0: callers send
+//     no trace context, so nothing is sampled) and rate100 (every request
+//     sampled), tracing into a test OTLP receiver in the benchmark's
+//     process; -snapcache.e2e.tracing-rounds (4) rounds that rotate the
+//     order of etcd direct and the three, each of
+//     -snapcache.e2e.tracing-gets (10,000) linearizable Gets of one key by
+//     .tracing-get-clients (8), then .tracing-ranges (40) Ranges of every
+//     key by .tracing-range-clients (2): per variant, ops/s, latency, the
+//     serving process's CPU and allocations (go_memstats_mallocs_total) per
+//     op, and the ratios to tracing off.
 //
 // With -snapcache.e2e.auth, etcd has auth enabled (a root user, and a user
 // "bench" whose role may read and write /registry/), the proxy runs with
@@ -366,7 +378,10 @@
 // -snapcache.e2e.persist-rounds, .persist-keys, .persist-revisions,
 // .persist-reads, .persist-read-clients, .persist-write-rate,
 // .persist-watchers, .persist-watch-puts (and .conns, .watch-timeout,
-// .auth, .tls, .pprof). $ETCD_BIN
+// .auth, .tls, .pprof); BenchmarkTracingCost's -snapcache.e2e.tracing-rounds,
+// .tracing-gets, .tracing-get-clients, .tracing-ranges,
+// .tracing-range-clients, .tracing-keys, .tracing-value (and .conns,
+// .pprof). $ETCD_BIN
 // overrides the etcd binary, $SNAPCACHE_BIN the proxy's,
 // $KUBE_APISERVER_BIN kube-apiserver's, $KUBELOAD_BIN the load
 // generator's, $ETCDCTL_BIN etcdctl's (the maintenance phases).
