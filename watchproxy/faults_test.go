@@ -13,6 +13,9 @@ import (
 	"testing"
 	"time"
 
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -280,8 +283,12 @@ func TestWatchInconsistentEndsRunningStreams(t *testing.T) {
 	up := newFakeUpstream()
 	checker := &fakeConsistency{}
 	w := newWorldAt(t, 1, up, func(cfg *Config) { cfg.Consistency = checker })
+	recorder := tracetest.NewSpanRecorder()
+	tracer := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(recorder)).Tracer("test")
 	fs := newFakeStream()
 	defer fs.cancel()
+	var span trace.Span
+	fs.ctx, span = tracer.Start(fs.ctx, "served") // as the stream's span, with tracing on
 	done := make(chan error, 1)
 	go func() { done <- w.srv.Watch(fs) }()
 	checkCreated(t, fs.create(t, &pb.WatchCreateRequest{Key: []byte("k")}), 0, 1)
@@ -308,8 +315,12 @@ func TestWatchInconsistentEndsRunningStreams(t *testing.T) {
 		t.Fatal("the stream did not end")
 	}
 
+	span.End()
+
 	relayed := newFakeStream()
 	defer relayed.cancel()
+	var relayedSpan trace.Span
+	relayed.ctx, relayedSpan = tracer.Start(relayed.ctx, "relayed")
 	relayDone := make(chan error, 1)
 	go func() { relayDone <- w.srv.Watch(relayed) }()
 	up.next(t)
@@ -321,6 +332,27 @@ func TestWatchInconsistentEndsRunningStreams(t *testing.T) {
 		}
 	case <-time.After(waitTimeout):
 		t.Fatal("the relayed stream did not end")
+	}
+	relayedSpan.End()
+
+	// Each stream's span says why the cache did not serve it: the running
+	// one ended for clients to relist, the new one went to etcd.
+	want := map[string]string{"served": "relist", "relayed": "inconsistent"}
+	for _, sp := range recorder.Ended() {
+		var reasons []string
+		for _, ev := range sp.Events() {
+			if ev.Name != fallbackEvent {
+				continue
+			}
+			for _, kv := range ev.Attributes {
+				if kv.Key == attrReason {
+					reasons = append(reasons, kv.Value.AsString())
+				}
+			}
+		}
+		if !slices.Equal(reasons, []string{want[sp.Name()]}) {
+			t.Errorf("the %s stream's span has fallback events %v, want [%s]", sp.Name(), reasons, want[sp.Name()])
+		}
 	}
 }
 

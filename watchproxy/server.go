@@ -230,13 +230,17 @@ func (s *Server) Close() {
 func (s *Server) Watch(gs pb.Watch_WatchServer) error {
 	ctx := gs.Context()
 	md, _ := metadata.FromIncomingContext(ctx)
-	if s.consistency.Fallback() || s.gate.RelayWatch(ctx) {
+	if fallback := s.consistency.Fallback(); fallback || s.gate.RelayWatch(ctx) {
 		// While the store is found inconsistent, etcd answers; and only
 		// etcd can check some callers' permissions.
+		if fallback {
+			traceFallback(ctx, "inconsistent", "the cache failed its consistency check against etcd: etcd serves the stream")
+		}
 		s.m.relayed()
 		return relay(s.upstream, gs)
 	}
 	if !s.follower.Serving() {
+		traceFallback(ctx, "not_ready", "the cache is loading or reloading from etcd: the stream is refused, and clients retry")
 		return errNotReady
 	}
 	var leaderLost <-chan struct{}

@@ -396,6 +396,7 @@ func (st *stream) cancelFailed(w *watcher, reason string) error {
 // before a reload dropped it): nonzero, as clients require, and a client
 // that watches again from it misses nothing.
 func (st *stream) endRelist(why string, err error, compactRev int64) error {
+	traceFallback(st.ctx, "relist", why+": every watcher is canceled as compacted, so that clients relist")
 	n := 0
 	for _, w := range st.watchers {
 		if w.compacted {

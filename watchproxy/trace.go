@@ -1,6 +1,8 @@
 package watchproxy
 
 import (
+	"context"
+
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 )
@@ -19,7 +21,20 @@ const (
 	attrHistoryStart  = attribute.Key("snapcache.history_start") // the cache's oldest retained revision
 	attrCancelReason  = attribute.Key("snapcache.cancel_reason")
 	attrCompactRev    = attribute.Key("snapcache.compact_revision")
+	attrReason        = attribute.Key("snapcache.reason")
+	attrFallback      = attribute.Key("snapcache.fallback")
 )
+
+// fallbackEvent names the event of a stream that etcd serves, or that
+// ends, because the cache cannot answer for etcd (as kvproxy's).
+const fallbackEvent = "snapcache.fallback"
+
+// traceFallback puts a fallback event on the span of ctx, if it records.
+func traceFallback(ctx context.Context, reason, what string) {
+	if span := trace.SpanFromContext(ctx); span.IsRecording() {
+		span.AddEvent(fallbackEvent, trace.WithAttributes(attrReason.String(reason), attrFallback.String(what)))
+	}
+}
 
 // traced reports whether the stream's span records: the events' attributes
 // are built only then.
