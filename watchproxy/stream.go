@@ -450,8 +450,11 @@ func (st *stream) deliver() (more bool, err error) {
 		}
 	}
 	for _, w := range st.watchers {
-		if w.active() && w.nextRev > rev {
+		if w.active() && w.nextRev > rev && !w.synced {
 			w.synced = true // sent everything up to the head
+			if st.traced() {
+				st.event("watch caught up", attrWatchID.Int64(w.id), attrNextRevision.Int64(w.nextRev))
+			}
 		}
 	}
 	st.s.notify.delivered(st)
