@@ -99,10 +99,11 @@ func (it *interest) forget(rev int64) {
 }
 
 // record notes an event of the range at rev, a revision after every one
-// recorded before.
+// recorded before. Once the record has overflowed it records nothing more:
+// a revision after the ones it had no room for would hide those.
 func (it *interest) record(rev int64) {
 	switch n := len(it.revs); {
-	case rev < it.known, n > 0 && it.revs[n-1] == rev:
+	case it.overflow, rev < it.known, n > 0 && it.revs[n-1] == rev:
 	case n < interestRevs:
 		it.revs = append(it.revs, rev)
 	default:
@@ -197,6 +198,10 @@ func (n *notifier) delivered(st *stream) {
 		case w.nextRev < it.known:
 			// Behind the record (a pass cut short): the record stays,
 			// and the next pass reads on from the history.
+		case w.nextRev > n.scanned:
+			// Read past every revision the scans recorded: the record
+			// starts afresh, overflowed or not.
+			it.forget(w.nextRev)
 		default:
 			pos := w.nextRev
 			unsent := it.revs[:0]

@@ -225,6 +225,7 @@ func TestInterestRecord(t *testing.T) {
 	for _, rev := range []int64{41, 45} {
 		rec.record(rev)
 	}
+	n.scanned = 50 // the scans that found them
 	wt.nextRev = 42
 	n.delivered(st)
 	if rec.known != 42 || !slices.Equal(rec.revs, []int64{45}) {
@@ -235,6 +236,51 @@ func TestInterestRecord(t *testing.T) {
 	n.delivered(st)
 	if rec.known != 46 || !slices.Equal(rec.revs, []int64{46}) {
 		t.Fatalf("after delivering an overflowed record up to 45: known %d, revs %v; want 46, [46]", rec.known, rec.revs)
+	}
+	// An overflowed record takes no later revision: it would be taken for
+	// the next event, over the ones the record had no room for.
+	rec.record(47)
+	if !slices.Equal(rec.revs, []int64{46}) || rec.next(46, 50) != 46 || rec.next(47, 50) != 47 {
+		t.Fatalf("overflowed record %v after an event at 47: next(46) %d, next(47) %d; want [46], 46, 47",
+			rec.revs, rec.next(46, 50), rec.next(47, 50))
+	}
+	// A loop that read past the scans starts the record afresh.
+	wt.nextRev = 51
+	n.delivered(st)
+	if rec.known != 51 || len(rec.revs) != 0 || rec.overflow {
+		t.Fatalf("after reading past the scans: known %d, revs %v, overflow %v; want 51, none, no overflow", rec.known, rec.revs, rec.overflow)
+	}
+}
+
+// TestSkipQuietNeverSkipsABusyWatchersEvents: a busy watcher, more of whose
+// events come between two passes than the record holds, is moved only to
+// events the record has, never across the ones it had no room for, however
+// its passes and the scans interleave. Each pass delivers part of what is
+// in the history; at the end every revision was delivered exactly once.
+func TestSkipQuietNeverSkipsABusyWatchersEvents(t *testing.T) {
+	w := newWorld(t)
+	n := newNotifier(w.store, w.follower)
+	n.scanned = w.store.Rev()
+	wt := &watcher{keyRange: keyRange{key: []byte("a")}, synced: true, nextRev: w.store.Rev() + 1}
+	st := &stream{wake: make(chan struct{}, 1), watchers: map[int64]*watcher{0: wt}}
+	n.watch(st, 0, wt.keyRange)
+
+	next := wt.nextRev
+	for round := range 40 {
+		// A burst of the watcher's events, scanned, then a pass that
+		// reads a few of them and stops (cut short, as maxRevisionsPerPass
+		// cuts a pass).
+		for range 3 + round%int(2*interestRevs) {
+			w.applySilently(put("a", "v"))
+		}
+		n.scan()
+		n.skipQuiet(st)
+		if wt.nextRev != next {
+			t.Fatalf("round %d: skipQuiet moved the watcher from %d to %d over its events", round, next, wt.nextRev)
+		}
+		next = min(next+int64(1+round%5), w.store.Rev()+1)
+		wt.nextRev = next
+		n.delivered(st)
 	}
 }
 
