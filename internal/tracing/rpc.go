@@ -93,17 +93,16 @@ func (r rpcTracer) streamClient(ctx context.Context, desc *grpc.StreamDesc, cc *
 	}
 	ts := &tracedClientStream{ClientStream: cs, oneAnswer: !desc.ServerStreams}
 	var once sync.Once
-	var stop func() bool
 	ts.end = func(err error) {
 		once.Do(func() {
-			stop()
 			p, _ := peer.FromContext(cs.Context())
 			end(p, err)
 		})
 	}
 	// A stream its caller abandons (its context canceled) may never be
-	// read to its end.
-	stop = context.AfterFunc(ctx, func() { ts.end(status.FromContextError(ctx.Err()).Err()) })
+	// read to its end. (AfterFunc runs at once, on its own goroutine, if
+	// ctx is done already: ts.end is set before.)
+	ts.stop = context.AfterFunc(ctx, func() { ts.end(status.FromContextError(ctx.Err()).Err()) })
 	return ts, nil
 }
 
@@ -126,18 +125,24 @@ func (r rpcTracer) call(ctx context.Context, method string) (_ context.Context, 
 type tracedClientStream struct {
 	grpc.ClientStream
 	oneAnswer bool
-	end       func(error)
+	end       func(error) // ends the span, once
+	stop      func() bool // stops the span's end at the context's
 }
 
 func (s *tracedClientStream) RecvMsg(m any) error {
 	err := s.ClientStream.RecvMsg(m)
 	switch {
 	case errors.Is(err, io.EOF):
-		s.end(nil)
+		s.finish(nil)
 	case err != nil:
-		s.end(err)
+		s.finish(err)
 	case s.oneAnswer:
-		s.end(nil)
+		s.finish(nil)
 	}
 	return err
+}
+
+func (s *tracedClientStream) finish(err error) {
+	s.stop()
+	s.end(err)
 }

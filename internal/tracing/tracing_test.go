@@ -196,6 +196,35 @@ func TestRPCTracer(t *testing.T) {
 	if inner.tagged != 1 || inner.ended != 1 {
 		t.Fatalf("stream: otelgrpc tagged %d, ended %d; want 1 each", inner.tagged, inner.ended)
 	}
+
+	// A stream whose context is done as it is made ends its span at once,
+	// and once.
+	ended := make(chan struct{})
+	canceled, cancel := context.WithCancel(sampledSpan)
+	cancel()
+	r = rpcTracer{client: &endNotifier{countingHandler: &countingHandler{}, ended: ended}}
+	cs, err = r.streamClient(canceled, &grpc.StreamDesc{ServerStreams: true}, nil, "/etcdserverpb.Watch/Watch",
+		func(context.Context, *grpc.StreamDesc, *grpc.ClientConn, string, ...grpc.CallOption) (grpc.ClientStream, error) {
+			return &fakeClientStream{ctx: canceled}, nil
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-ended
+	_ = cs.RecvMsg(nil) // io.EOF: no second end
+}
+
+// endNotifier is a countingHandler that closes ended at the first end,
+// and fails the test's goroutine with a panic at a second.
+type endNotifier struct {
+	*countingHandler
+	ended chan struct{}
+}
+
+func (h *endNotifier) HandleRPC(ctx context.Context, s stats.RPCStats) {
+	if _, ok := s.(*stats.End); ok {
+		close(h.ended) // a second end would panic: closed twice
+	}
 }
 
 // fakeClientStream answers msgs messages, then io.EOF.
