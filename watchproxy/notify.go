@@ -76,6 +76,9 @@ type interest struct {
 	// overflow says the range has events after the last of revs, which
 	// revs had no room for.
 	overflow bool
+	// last is the latest revision from known on in which the scans found
+	// an event of the range, recorded or not; 0 while none.
+	last int64
 }
 
 // next is the first revision from rev on that may have an event in the
@@ -95,15 +98,19 @@ func (it *interest) next(rev, scanned int64) int64 {
 
 // forget starts the record afresh at rev.
 func (it *interest) forget(rev int64) {
-	it.known, it.revs, it.overflow = rev, it.revs[:0], false
+	it.known, it.revs, it.overflow, it.last = rev, it.revs[:0], false, 0
 }
 
 // record notes an event of the range at rev, a revision after every one
 // recorded before. Once the record has overflowed it records nothing more:
 // a revision after the ones it had no room for would hide those.
 func (it *interest) record(rev int64) {
+	if rev < it.known {
+		return
+	}
+	it.last = max(it.last, rev)
 	switch n := len(it.revs); {
-	case it.overflow, rev < it.known, n > 0 && it.revs[n-1] == rev:
+	case it.overflow, n > 0 && it.revs[n-1] == rev:
 	case n < interestRevs:
 		it.revs = append(it.revs, rev)
 	default:
@@ -198,9 +205,10 @@ func (n *notifier) delivered(st *stream) {
 		case w.nextRev < it.known:
 			// Behind the record (a pass cut short): the record stays,
 			// and the next pass reads on from the history.
-		case w.nextRev > n.scanned:
-			// Read past every revision the scans recorded: the record
-			// starts afresh, overflowed or not.
+		case w.nextRev > n.scanned, w.nextRev > it.last:
+			// No event the scans found is at or after its position:
+			// the record starts afresh there, overflowed or not, and
+			// a watcher that was busy moves with the head again.
 			it.forget(w.nextRev)
 		default:
 			pos := w.nextRev
@@ -322,14 +330,21 @@ func (n *notifier) wakeConcerned(batches []revtree.Batch, complete int64) {
 	n.wakeScanWaiters()
 }
 
-// wakeAll wakes every stream and moves scanned to rev, forgetting what
-// the scans knew: the revisions up to rev were not read.
+// wakeAll wakes every stream and moves scanned to rev: the revisions up
+// to rev were not read. What the scans found up to the old scanned stays
+// on record (the store's history is etcd's: a reload that moved it back
+// brings the same revisions again), so that a quiet watcher still moves
+// past the revisions they found quiet, which a compaction may have
+// dropped; what lies after is unknown (overflow).
 func (n *notifier) wakeAll(rev int64) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	for st, rs := range n.interests {
 		for _, it := range rs {
-			it.forget(rev + 1)
+			if len(it.revs) == 0 {
+				it.revs = append(it.revs, max(it.known, n.scanned+1))
+			}
+			it.overflow, it.last = true, max(it.last, rev, n.scanned+1)
 		}
 		st.wakeUp()
 	}

@@ -232,6 +232,7 @@ func TestInterestRecord(t *testing.T) {
 		t.Fatalf("after delivering up to 41: known %d, revs %v; want 42, [45]", rec.known, rec.revs)
 	}
 	rec.overflow = true
+	rec.last = 48 // an event the record had no room for
 	wt.nextRev = 46
 	n.delivered(st)
 	if rec.known != 46 || !slices.Equal(rec.revs, []int64{46}) {
@@ -249,6 +250,72 @@ func TestInterestRecord(t *testing.T) {
 	n.delivered(st)
 	if rec.known != 51 || len(rec.revs) != 0 || rec.overflow {
 		t.Fatalf("after reading past the scans: known %d, revs %v, overflow %v; want 51, none, no overflow", rec.known, rec.revs, rec.overflow)
+	}
+}
+
+// TestBusyWatcherTurnedQuietSurvivesCompaction: a watcher whose events
+// overflowed its record, once its loop has sent them all, moves with the
+// head again, even when the scans ran past its pass: a compaction at the
+// head then does not find it behind the history.
+func TestBusyWatcherTurnedQuietSurvivesCompaction(t *testing.T) {
+	w := newWorld(t)
+	n := newNotifier(w.store, w.follower)
+	n.scanned = w.store.Rev()
+	wt := &watcher{keyRange: keyRange{key: []byte("a")}, synced: true, nextRev: w.store.Rev() + 1}
+	st := &stream{wake: make(chan struct{}, 1), watchers: map[int64]*watcher{0: wt}}
+	n.watch(st, 0, wt.keyRange)
+
+	var last int64
+	for range interestRevs + 4 {
+		last = w.applySilently(put("a", "v"))
+	}
+	n.scan()
+	n.skipQuiet(st)
+	wt.nextRev = last + 1 // the pass read every event of the burst
+	w.applySilently(put("z", "v"))
+	n.scan() // the scans ran past the pass by a quiet revision
+	n.delivered(st)
+	var head int64
+	for range 50 {
+		head = w.applySilently(put("z", "v"))
+		n.scan()
+	}
+	w.store.Compact(head)
+	n.skipQuiet(st)
+	if wt.nextRev != head+1 {
+		t.Fatalf("watcher at %d after skipQuiet, want %d: past the quiet revisions", wt.nextRev, head+1)
+	}
+}
+
+// TestQuietWatcherKeepsItsRecordThroughAReload: a quiet watcher whose
+// stream has not run since a compaction keeps what the scans found quiet
+// when a reload makes the notifier wake every stream: it moves past those
+// revisions (and catches up from etcd from there, as etcd keeps a synced
+// watcher) rather than finding its position compacted.
+func TestQuietWatcherKeepsItsRecordThroughAReload(t *testing.T) {
+	w := newWorld(t)
+	n := newNotifier(w.store, w.follower)
+	n.scanned = w.store.Rev()
+	wt := &watcher{keyRange: keyRange{key: []byte("b")}, synced: true, nextRev: w.store.Rev() + 1}
+	st := &stream{wake: make(chan struct{}, 1), watchers: map[int64]*watcher{0: wt}}
+	n.watch(st, 0, wt.keyRange)
+
+	own := w.applySilently(put("b", "v"))
+	n.scan()
+	n.skipQuiet(st)
+	wt.nextRev = own + 1
+	n.delivered(st)
+	var head int64
+	for range 50 {
+		head = w.applySilently(put("a", "v"))
+		n.scan()
+	}
+	w.store.Compact(head)
+	w.store.Reset(head+5, nil, head) // reloaded: the revisions after head are not in the history
+	n.scan()                         // cannot read them: wakes every stream
+	n.skipQuiet(st)
+	if wt.nextRev != head+1 {
+		t.Fatalf("watcher at %d after a reload, want %d: past the revisions the scans found quiet", wt.nextRev, head+1)
 	}
 }
 
