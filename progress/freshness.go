@@ -135,8 +135,9 @@ func (c *FenceCall) Wait(ctx context.Context, deadline time.Time, patience time.
 	if err == nil {
 		head, err = f.probes.wait(ctx, c.probe, c.rev, expired, bounded)
 	}
-	proven := time.Now()
+	var applying time.Duration // timed only when the store is behind: most fences never are
 	if err == nil && f.store.Rev() < head {
+		proven := time.Now()
 		wctx, cancel := bounded()
 		if patience > 0 {
 			var cancelPatience context.CancelFunc
@@ -155,10 +156,11 @@ func (c *FenceCall) Wait(ctx context.Context, deadline time.Time, patience time.
 			err = ErrLagging
 		}
 		cancel()
+		applying = time.Since(proven)
 	}
 	waited := time.Since(c.start)
 	f.m.observeFenceWait(waited)
-	traceFence(ctx, waited, time.Since(proven), head)
+	traceFence(ctx, waited, applying, head)
 	if err != nil {
 		return 0, err
 	}

@@ -19,6 +19,18 @@ func woken(st *stream) bool {
 	}
 }
 
+// syncedWatcher is a notifier of w's store scanned to its head, with one
+// synced watcher of key at the head, on a stream of its own: what a send
+// loop's pass does to it is the test's.
+func syncedWatcher(w *world, key string) (*notifier, *watcher, *stream) {
+	n := newNotifier(w.store, w.follower)
+	n.scanned = w.store.Rev()
+	wt := &watcher{keyRange: keyRange{key: []byte(key)}, synced: true, nextRev: w.store.Rev() + 1}
+	st := &stream{wake: make(chan struct{}, 1), watchers: map[int64]*watcher{0: wt}}
+	n.watch(st, 0, wt.keyRange)
+	return n, wt, st
+}
+
 // TestNotifierWakesOnlyConcernedStreams: a write wakes the streams with a
 // watcher of its key (one key, a range, every key from a key on), and no
 // other; a revision the notifier cannot read wakes them all.
@@ -152,11 +164,7 @@ func TestQuietWatcherSurvivesCompaction(t *testing.T) {
 // position compacted.
 func TestSkipQuietAfterTheScansRanPastAPass(t *testing.T) {
 	w := newWorld(t)
-	n := newNotifier(w.store, w.follower)
-	n.scanned = w.store.Rev()
-	wt := &watcher{keyRange: keyRange{key: []byte("b")}, synced: true, nextRev: w.store.Rev() + 1}
-	st := &stream{wake: make(chan struct{}, 1), watchers: map[int64]*watcher{0: wt}}
-	n.watch(st, 0, wt.keyRange)
+	n, wt, st := syncedWatcher(w, "b")
 
 	own := w.applySilently(put("b", "v"))
 	n.scan()
@@ -259,11 +267,7 @@ func TestInterestRecord(t *testing.T) {
 // head then does not find it behind the history.
 func TestBusyWatcherTurnedQuietSurvivesCompaction(t *testing.T) {
 	w := newWorld(t)
-	n := newNotifier(w.store, w.follower)
-	n.scanned = w.store.Rev()
-	wt := &watcher{keyRange: keyRange{key: []byte("a")}, synced: true, nextRev: w.store.Rev() + 1}
-	st := &stream{wake: make(chan struct{}, 1), watchers: map[int64]*watcher{0: wt}}
-	n.watch(st, 0, wt.keyRange)
+	n, wt, st := syncedWatcher(w, "a")
 
 	var last int64
 	for range interestRevs + 4 {
@@ -294,11 +298,7 @@ func TestBusyWatcherTurnedQuietSurvivesCompaction(t *testing.T) {
 // watcher) rather than finding its position compacted.
 func TestQuietWatcherKeepsItsRecordThroughAReload(t *testing.T) {
 	w := newWorld(t)
-	n := newNotifier(w.store, w.follower)
-	n.scanned = w.store.Rev()
-	wt := &watcher{keyRange: keyRange{key: []byte("b")}, synced: true, nextRev: w.store.Rev() + 1}
-	st := &stream{wake: make(chan struct{}, 1), watchers: map[int64]*watcher{0: wt}}
-	n.watch(st, 0, wt.keyRange)
+	n, wt, st := syncedWatcher(w, "b")
 
 	own := w.applySilently(put("b", "v"))
 	n.scan()
@@ -326,11 +326,7 @@ func TestQuietWatcherKeepsItsRecordThroughAReload(t *testing.T) {
 // in the history; at the end every revision was delivered exactly once.
 func TestSkipQuietNeverSkipsABusyWatchersEvents(t *testing.T) {
 	w := newWorld(t)
-	n := newNotifier(w.store, w.follower)
-	n.scanned = w.store.Rev()
-	wt := &watcher{keyRange: keyRange{key: []byte("a")}, synced: true, nextRev: w.store.Rev() + 1}
-	st := &stream{wake: make(chan struct{}, 1), watchers: map[int64]*watcher{0: wt}}
-	n.watch(st, 0, wt.keyRange)
+	n, wt, st := syncedWatcher(w, "a")
 
 	next := wt.nextRev
 	for round := range 40 {
@@ -357,11 +353,7 @@ func TestSkipQuietNeverSkipsABusyWatchersEvents(t *testing.T) {
 // sent is not taken for its next.
 func TestSkipQuietAfterReadingPastTheScans(t *testing.T) {
 	w := newWorld(t)
-	n := newNotifier(w.store, w.follower)
-	n.scanned = w.store.Rev()
-	wt := &watcher{keyRange: keyRange{key: []byte("b")}, synced: true}
-	st := &stream{wake: make(chan struct{}, 1), watchers: map[int64]*watcher{0: wt}}
-	n.watch(st, 0, wt.keyRange)
+	n, wt, st := syncedWatcher(w, "b")
 
 	w.applySilently(put("b", "v"))                  // 2, the watcher's
 	wt.nextRev = w.applySilently(put("a", "v")) + 1 // the loop read 2..3 before any scan
